@@ -1,0 +1,194 @@
+"""Configuration dataclasses: the single source of truth for every command-line flag.
+
+Each field's `help` metadata is its documentation; `build_parser` turns the dataclasses
+into an argparse parser (`--hidden-size` for `hidden_size`, plus aliases such as `--tp`)
+and `parse_configs` turns parsed arguments back into the dataclasses.
+"""
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+import torch
+
+
+def arg(default, help: str, aliases: tuple[str, ...] = (), choices=None, **kw):
+    """A dataclass field documented for the generated command line."""
+    factory = {"default_factory": default} if callable(default) else {"default": default}
+    return field(metadata={"help": help, "aliases": aliases, "choices": choices, **kw}, **factory)
+
+
+@dataclass
+class ModelConfig:
+    """Transformer shape and regularisation (GPT-2 defaults where they apply)."""
+
+    num_layers: int = arg(4, "number of transformer layers")
+    hidden_size: int = arg(256, "hidden size h")
+    num_attention_heads: int = arg(4, "attention heads a (divisible by TP)")
+    ffn_hidden_size: int | None = arg(None, "MLP inner size (default 4h)")
+    vocab_size: int = arg(8000, "real vocabulary size (padded for TP, see make-vocab-size-divisible-by)")
+    max_position_embeddings: int = arg(512, "learned position embeddings (>= seq-length)")
+    layernorm_epsilon: float = arg(1e-5, "LayerNorm epsilon")
+    hidden_dropout: float = arg(0.1, "dropout on embeddings and residual branches")
+    attention_dropout: float = arg(0.1, "dropout on attention probabilities")
+    init_method_std: float = arg(0.02, "std of the normal weight initialisation")
+    make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this x TP")
+    activation: str = arg("gelu_tanh", "MLP activation", choices=("gelu_tanh", "gelu"))
+    num_tokentypes: int = arg(0, "token-type embeddings (BERT: 2)")
+    post_layernorm: bool = arg(False, "LayerNorm after each residual add (BERT) instead of before")
+    causal: bool = arg(True, "causal self-attention (GPT); off for bidirectional (BERT)",
+                       negatable=True)
+    recompute_granularity: str | None = arg(
+        None, "activation recomputation: full layers or only the attention core",
+        choices=("full", "selective"))
+    recompute_method: str = arg(
+        "uniform", "full recompute: checkpoint groups of N layers (uniform) or only the first "
+        "N layers of each stage (block)", choices=("uniform", "block"))
+    recompute_num_layers: int = arg(1, "N for --recompute-method")
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"--hidden-size ({self.hidden_size}) must be divisible by "
+                             f"--num-attention-heads ({self.num_attention_heads})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split: TP x PP x DP ranks (Megatron's tp-dp-pp order)."""
+
+    tensor_model_parallel_size: int = arg(1, "tensor-parallel size", aliases=("--tp",))
+    pipeline_model_parallel_size: int = arg(1, "pipeline-parallel size", aliases=("--pp",))
+    data_parallel_size: int | None = arg(
+        None, "data-parallel size (default: world size / (TP x PP); checked if given)",
+        aliases=("--dp",))
+    virtual_pipeline_model_parallel_size: int | None = arg(
+        None, "model chunks per pipeline rank (interleaved 1F1B)", aliases=("--vpp",))
+    pipeline_schedule: str = arg("1f1b", "pipeline schedule when PP > 1 without VPP",
+                                 choices=("1f1b", "gpipe"))
+    distributed_timeout_minutes: float = arg(10.0, "bound on any collective wait")
+
+
+@dataclass
+class PrecisionConfig:
+    """Mixed precision: bf16/fp16 parameters with fp32 main copies in the optimizer."""
+
+    bf16: bool = arg(False, "bf16 parameters and activations, fp32 main params/grads")
+    fp16: bool = arg(False, "fp16 parameters with dynamic loss scaling")
+    loss_scale: float | None = arg(None, "static fp16 loss scale (default: dynamic)")
+    initial_loss_scale: float = arg(2.0 ** 32, "initial dynamic loss scale")
+    min_loss_scale: float = arg(1.0, "dynamic loss scale floor")
+    loss_scale_window: int = arg(1000, "clean steps before the scale doubles")
+    hysteresis: int = arg(2, "overflowing steps tolerated before the scale halves")
+
+    def __post_init__(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are mutually exclusive")
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, learning-rate schedule, clipping and the data-parallel gradient buffer."""
+
+    optimizer: str = arg("adam", "AdamW (decoupled weight decay) or SGD", choices=("adam", "sgd"))
+    lr: float = arg(6e-4, "peak learning rate")
+    min_lr: float = arg(6e-5, "learning rate at the end of decay")
+    lr_decay_style: str = arg("cosine", "decay after warm-up",
+                              choices=("cosine", "linear", "constant"))
+    lr_warmup_iters: int = arg(0, "linear warm-up iterations")
+    lr_decay_iters: int | None = arg(None, "decay iterations (default: train-iters)")
+    weight_decay: float = arg(0.01, "AdamW weight decay (never on biases and norms)")
+    adam_beta1: float = arg(0.9, "Adam beta1")
+    adam_beta2: float = arg(0.95, "Adam beta2")
+    adam_eps: float = arg(1e-8, "Adam epsilon")
+    sgd_momentum: float = arg(0.9, "SGD momentum")
+    clip_grad: float = arg(1.0, "clip the global grad L2 norm to this (0: off)")
+    use_distributed_optimizer: bool = arg(False, "shard optimizer state over DP (ZeRO-1)")
+    ddp_bucket_size: int = arg(40_000_000, "elements per DP gradient all-reduce bucket")
+    overlap_grad_reduce: bool = arg(True, "start bucket reductions during backward",
+                                    negatable=True)
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes, iterations, evaluation and logging."""
+
+    micro_batch_size: int = arg(4, "sequences per microbatch per DP rank")
+    global_batch_size: int | None = arg(
+        None, "sequences per step (default: micro x DP); micro x DP x microbatches")
+    seq_length: int = arg(256, "tokens per sequence")
+    train_iters: int = arg(200, "optimizer steps")
+    eval_interval: int = arg(100, "evaluate every N steps")
+    eval_iters: int = arg(10, "microbatch-steps per evaluation")
+    log_interval: int = arg(10, "log every N steps")
+    seed: int = arg(1234, "random seed")
+    tensorboard_dir: str | None = arg(None, "write TensorBoard scalars here (optional)")
+
+
+@dataclass
+class DataConfig:
+    """Training data: Megatron .bin/.idx prefixes, blended by weight."""
+
+    data_path: list[str] = arg(list, "prefix, or w1 prefix1 w2 prefix2 ... "
+                               "(default: the built-in corpus)", nargs="*")
+    split: str = arg("969,30,1", "train,valid,test document ratios")
+    tokenizer: str | None = arg(None, "sentencepiece .model or Hugging Face tokenizer directory")
+    data_cache_dir: str | None = arg(None, "where sample indices are cached (default: beside data)")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save: str | None = arg(None, "checkpoint directory to write")
+    load: str | None = arg(None, "checkpoint directory to resume from")
+    save_interval: int | None = arg(None, "save every N steps (and at the end)")
+
+
+def _base_type(tp):
+    """int for `int | None`, list element type for list[str]."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is list:
+        tp = typing.get_args(tp)[0]
+    return tp
+
+
+def add_arguments(parser: argparse.ArgumentParser, config_cls) -> None:
+    """Add one flag per field of `config_cls` in an argument group named after it."""
+    group = parser.add_argument_group(config_cls.__name__, config_cls.__doc__)
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
+        meta, names = f.metadata, ["--" + f.name.replace("_", "-"), *f.metadata["aliases"]]
+        tp = _base_type(hints[f.name])
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if tp is bool:
+            action = argparse.BooleanOptionalAction if meta.get("negatable") else "store_true"
+            group.add_argument(*names, dest=f.name, action=action, default=default,
+                               help=meta["help"])
+            continue
+        group.add_argument(*names, dest=f.name, type=tp, default=default, help=meta["help"],
+                           choices=meta["choices"], nargs=meta.get("nargs"))
+
+
+def build_parser(config_classes: list[type], description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for cls in config_classes:
+        add_arguments(parser, cls)
+    return parser
+
+
+def config_from_args(config_cls, args: argparse.Namespace):
+    """Build `config_cls` from parsed args; a ValueError from validation exits with one line."""
+    return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})

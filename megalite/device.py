@@ -1,0 +1,46 @@
+"""The one place that picks the device and the distributed backend.
+
+CUDA + NCCL when a GPU is visible, else CPU + gloo. Everything else asks here.
+"""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def device_type() -> str:
+    """'cuda' when a GPU is available, else 'cpu'."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend() -> str:
+    """The torch.distributed backend matching `device_type()`."""
+    return "nccl" if device_type() == "cuda" else "gloo"
+
+
+def current_device() -> torch.device:
+    """This process's device: its local GPU, or the CPU."""
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(rank: int | None = None, world_size: int | None = None,
+                     init_method: str | None = None, timeout_s: float = 600.0) -> None:
+    """Join the default process group (from torchrun's env unless given) and bind the device.
+
+    `timeout_s` bounds every collective, so a dead peer ends the job instead of hanging it.
+    """
+    if dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if device_type() == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local_rank)
+    if init_method is None and "MASTER_ADDR" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(backend(), init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))

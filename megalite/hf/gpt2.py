@@ -1,0 +1,98 @@
+"""Hugging Face GPT-2 <-> megalite GPT: config and weight conversion.
+
+GPT-2 stores Conv1D weights as [in, out] (transposed vs nn.Linear), fuses c_attn as
+[q | k | v] along the output, while megalite's fused QKV is head-major
+[heads, (q, k, v), head_dim] so that a TP split keeps whole heads.
+"""
+import torch
+from torch import nn
+
+from megalite.config import ModelConfig
+from megalite.models.sharding import load_full_state_dict
+
+_LAYER_MAP = {  # megalite suffix -> (GPT-2 suffix, is a Conv1D weight)
+    "input_layernorm.weight": ("ln_1.weight", False),
+    "input_layernorm.bias": ("ln_1.bias", False),
+    "self_attention.dense.weight": ("attn.c_proj.weight", True),
+    "self_attention.dense.bias": ("attn.c_proj.bias", False),
+    "post_attention_layernorm.weight": ("ln_2.weight", False),
+    "post_attention_layernorm.bias": ("ln_2.bias", False),
+    "mlp.dense_h_to_4h.weight": ("mlp.c_fc.weight", True),
+    "mlp.dense_h_to_4h.bias": ("mlp.c_fc.bias", False),
+    "mlp.dense_4h_to_h.weight": ("mlp.c_proj.weight", True),
+    "mlp.dense_4h_to_h.bias": ("mlp.c_proj.bias", False),
+}
+_TOP_MAP = {
+    "embedding.word_embeddings.weight": "wte.weight",
+    "embedding.position_embeddings.weight": "wpe.weight",
+    "final_layernorm.weight": "ln_f.weight",
+    "final_layernorm.bias": "ln_f.bias",
+}
+
+
+def gpt2_config(hf_config) -> ModelConfig:
+    """megalite ModelConfig equal to a transformers GPT2Config."""
+    if hf_config.activation_function not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+        raise ValueError(f"unsupported GPT-2 activation {hf_config.activation_function!r}")
+    return ModelConfig(
+        num_layers=hf_config.n_layer, hidden_size=hf_config.n_embd,
+        num_attention_heads=hf_config.n_head, ffn_hidden_size=hf_config.n_inner or 4 * hf_config.n_embd,
+        vocab_size=hf_config.vocab_size, max_position_embeddings=hf_config.n_positions,
+        layernorm_epsilon=hf_config.layer_norm_epsilon, hidden_dropout=hf_config.resid_pdrop,
+        attention_dropout=hf_config.attn_pdrop, init_method_std=hf_config.initializer_range,
+        activation="gelu" if hf_config.activation_function == "gelu" else "gelu_tanh")
+
+
+def qkv_to_head_major(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[3h, ...] ordered [q | k | v] -> [3h, ...] ordered [heads, (q, k, v), head_dim]."""
+    return t.reshape(3, heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def qkv_from_head_major(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of qkv_to_head_major."""
+    return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _strip(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("transformer."): v for k, v in hf_state.items()}
+
+
+def gpt2_to_megalite(hf_state: dict[str, torch.Tensor], config: ModelConfig
+                     ) -> dict[str, torch.Tensor]:
+    """Full megalite state dict from a GPT2Model / GPT2LMHeadModel state dict."""
+    sd, heads = _strip(hf_state), config.num_attention_heads
+    out = {ours: sd[theirs] for ours, theirs in _TOP_MAP.items()}
+    for i in range(config.num_layers):
+        src, dst = f"h.{i}.", f"encoder.layers.{i}."
+        for ours, (theirs, conv1d) in _LAYER_MAP.items():
+            out[dst + ours] = sd[src + theirs].t() if conv1d else sd[src + theirs]
+        out[dst + "self_attention.query_key_value.weight"] = qkv_to_head_major(
+            sd[src + "attn.c_attn.weight"].t(), heads)
+        out[dst + "self_attention.query_key_value.bias"] = qkv_to_head_major(
+            sd[src + "attn.c_attn.bias"], heads)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def megalite_to_gpt2(state: dict[str, torch.Tensor], config: ModelConfig
+                     ) -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel state dict from a full megalite state dict (all layers)."""
+    heads = config.num_attention_heads
+    out = {"transformer." + theirs: state[ours] for ours, theirs in _TOP_MAP.items()}
+    for i in range(config.num_layers):
+        src, dst = f"encoder.layers.{i}.", f"transformer.h.{i}."
+        for ours, (theirs, conv1d) in _LAYER_MAP.items():
+            out[dst + theirs] = state[src + ours].t() if conv1d else state[src + ours]
+        out[dst + "attn.c_attn.weight"] = qkv_from_head_major(
+            state[src + "self_attention.query_key_value.weight"], heads).t()
+        out[dst + "attn.c_attn.bias"] = qkv_from_head_major(
+            state[src + "self_attention.query_key_value.bias"], heads)
+    out["lm_head.weight"] = state["embedding.word_embeddings.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def load_gpt2(model: nn.Module | list[nn.Module], hf_state: dict[str, torch.Tensor],
+              config: ModelConfig | None = None) -> None:
+    """Fill this rank's shard of a GPTModel (or its chunks) from a full GPT-2 state dict."""
+    chunks = model if isinstance(model, list) else [model]
+    config = config or chunks[0].config
+    load_full_state_dict(model, gpt2_to_megalite(hf_state, config))

@@ -1,0 +1,62 @@
+"""Which part of the model a pipeline rank (and virtual chunk) builds, and the tied embedding."""
+import torch
+from torch import nn
+
+from megalite.mpu import comm, parallel_state
+from megalite.mpu.layers import VocabParallelEmbedding
+
+
+def pipeline_layer_range(num_layers: int, pp_size: int | None = None, pp_rank: int | None = None,
+                         vpp_size: int | None = None, vpp_rank: int | None = None
+                         ) -> tuple[int, int]:
+    """[first, last) global layers of a (pipeline rank, virtual chunk); defaults from the grid.
+
+    Rank r, chunk c holds global stage c * p + r of p * v equal stages.
+    """
+    p = parallel_state.get_pipeline_model_parallel_world_size() if pp_size is None else pp_size
+    r = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
+    v = parallel_state.get_virtual_pipeline_model_parallel_world_size() if vpp_size is None \
+        else vpp_size
+    c = parallel_state.get_virtual_pipeline_model_parallel_rank() if vpp_rank is None else vpp_rank
+    v, c = v or 1, c or 0
+    if num_layers % (p * v):
+        raise ValueError(f"--num-layers ({num_layers}) must be divisible by pipeline size ({p}) "
+                         f"x virtual chunks ({v}) = {p * v}")
+    per_stage = num_layers // (p * v)
+    stage = c * p + r
+    return stage * per_stage, (stage + 1) * per_stage
+
+
+def share_embedding_with_first_stage(weight: nn.Parameter) -> None:
+    """Mark the last stage's copy of the tied word embedding.
+
+    Its value and gradient are kept equal to the first stage's by `sync_shared_embedding`
+    and `allreduce_shared_embedding_grads` on the embedding group; the global grad norm
+    and checkpoints count only the first stage's copy.
+    """
+    weight.shared_embedding_copy = True
+
+
+def shared_embedding_params(model: nn.Module | list[nn.Module]) -> list[nn.Parameter]:
+    """The word-embedding weights of this rank's chunks, tied across first and last stage."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return []
+    chunks = model if isinstance(model, list) else [model]
+    return [m.weight for chunk in chunks for m in chunk.modules()
+            if isinstance(m, VocabParallelEmbedding)]
+
+
+@torch.no_grad()
+def sync_shared_embedding(model: nn.Module | list[nn.Module]) -> None:
+    """Copy the first stage's word embedding to the last stage (broadcast on the embedding group)."""
+    for weight in shared_embedding_params(model):
+        comm.broadcast(weight.data, parallel_state.get_embedding_ranks()[0],
+                       parallel_state.get_embedding_group())
+
+
+def allreduce_shared_embedding_grads(model: nn.Module | list[nn.Module]) -> None:
+    """Sum the tied embedding's grad over first and last stage (embedding group)."""
+    for weight in shared_embedding_params(model):
+        grad = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
+        if grad is not None:
+            comm.all_reduce(grad, parallel_state.get_embedding_group())

@@ -1,0 +1,80 @@
+"""The collectives megalite's layers call: one place to count bytes and bound waits.
+
+Every function takes an explicit process group. `bytes_moved` counts the payload
+bytes each collective was given (per kind), so benchmarks and tests can compare the
+traffic with closed forms; `count_bytes()` scopes a fresh count.
+"""
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+bytes_moved: Counter = Counter()
+
+
+@contextlib.contextmanager
+def count_bytes() -> Iterator[Counter]:
+    """Yield a Counter of payload bytes per collective kind issued inside the block."""
+    start = bytes_moved.copy()
+    result: Counter = Counter()
+    yield result
+    result.update(bytes_moved)
+    result.subtract(start)
+
+
+def _count(kind: str, tensor: torch.Tensor) -> None:
+    bytes_moved[kind] += tensor.numel() * tensor.element_size()
+
+
+def world_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce of `tensor` over `group`; a no-op on a group of one."""
+    if world_size(group) == 1:
+        return None
+    _count("all_reduce", tensor)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
+    """Gather every rank's `tensor` into `output` (concatenated along dim 0) over `group`."""
+    _count("all_gather", tensor)
+    return dist.all_gather_into_tensor(output, tensor.contiguous(), group=group, async_op=async_op)
+
+
+def all_gather_last_dim(tensor: torch.Tensor, group) -> torch.Tensor:
+    """[..., n] per rank -> [..., n * world] ordered by group rank."""
+    size = world_size(group)
+    if size == 1:
+        return tensor
+    out = torch.empty((size,) + tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    all_gather_into(out, tensor, group)
+    return torch.cat(out.unbind(0), dim=-1)
+
+
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
+    """Sum `tensor` over `group` and keep this rank's dim-0 slice in `output`."""
+    _count("reduce_scatter", tensor)
+    return dist.reduce_scatter_tensor(output, tensor, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group) -> None:
+    """Broadcast from global rank `src` over `group`."""
+    if world_size(group) == 1:
+        return
+    _count("broadcast", tensor)
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
+    """Post [("send"|"recv", tensor, global peer rank), ...] together; return the works."""
+    p2p = []
+    for kind, tensor, peer in ops:
+        _count(kind, tensor)
+        fn = dist.isend if kind == "send" else dist.irecv
+        p2p.append(dist.P2POp(fn, tensor, peer, group))
+    return dist.batch_isend_irecv(p2p) if p2p else []

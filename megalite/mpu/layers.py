@@ -1,0 +1,212 @@
+"""Tensor-parallel layers: vocab-parallel embedding, column- and row-parallel linear.
+
+Weights are initialised at full size with the caller's RNG and then sliced, so the same
+seed gives the same full weights for any TP size. Sharded parameters carry
+`tensor_model_parallel = True` and `partition_dim`; replicated ones carry False.
+"""
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.mpu import comm, parallel_state
+from megalite.mpu.mappings import (copy_to_tensor_model_parallel_region,
+                                   gather_from_tensor_model_parallel_region,
+                                   reduce_from_tensor_model_parallel_region,
+                                   scatter_to_tensor_model_parallel_region)
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def init_method_normal(std: float) -> InitMethod:
+    def init_(tensor: torch.Tensor) -> None:
+        nn.init.normal_(tensor, mean=0.0, std=std)
+    return init_
+
+
+def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
+    """GPT-2's init for output projections feeding the residual: std / sqrt(2 * layers)."""
+    return init_method_normal(std / math.sqrt(2.0 * num_layers))
+
+
+def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
+                                         partition_dim: int = 0) -> None:
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = partition_dim
+
+
+def _group_info(group) -> tuple[object, int, int]:
+    group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    size = comm.world_size(group)
+    rank = torch.distributed.get_rank(group) if size > 1 else 0
+    return group, size, rank
+
+
+def _sharded_parameter(full_shape: tuple[int, ...], partition_dim: int, size: int, rank: int,
+                       init_method: InitMethod, dtype: torch.dtype, device) -> nn.Parameter:
+    """Initialise the full tensor on CPU in fp32, keep this rank's slice along partition_dim."""
+    full = torch.empty(full_shape, dtype=torch.float32)
+    init_method(full)
+    local = full.chunk(size, dim=partition_dim)[rank]
+    param = nn.Parameter(local.to(device=device, dtype=dtype).contiguous())
+    set_tensor_model_parallel_attributes(param, size > 1, partition_dim)
+    return param
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size "
+                         f"({denominator})")
+    return numerator // denominator
+
+
+def _bias(size: int, dtype: torch.dtype, device, parallel: bool) -> nn.Parameter:
+    bias = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+    set_tensor_model_parallel_attributes(bias, parallel, 0)
+    return bias
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split along its output columns: weight [out/tp, in].
+
+    forward(x [..., in]) -> (y [..., out/tp] or [..., out] if gather_output, bias or None).
+    The grad of x is all-reduced on the TP group (copy_to_tensor_model_parallel_region).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True,
+                 gather_output: bool = False, init_method: InitMethod | None = None,
+                 skip_bias_add: bool = False, group=None, params_dtype: torch.dtype = torch.float32,
+                 device=None) -> None:
+        super().__init__()
+        self.group, size, rank = _group_info(group)
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.output_size_per_partition = _divide(output_size, size, "output_size")
+        init_method = init_method or init_method_normal(0.02)
+        self.weight = _sharded_parameter((output_size, input_size), 0, size, rank, init_method,
+                                         params_dtype, device)
+        self.bias = _bias(self.output_size_per_partition, params_dtype, device, size > 1) \
+            if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = copy_to_tensor_model_parallel_region(x, self.group)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, self.weight, bias)
+        if self.gather_output:
+            y = gather_from_tensor_model_parallel_region(y, self.group)
+        return y, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split along its input rows: weight [out, in/tp].
+
+    forward(x [..., in/tp] if input_is_parallel else [..., in]) -> (y [..., out], bias or None).
+    Partial products are all-reduced on the TP group; the bias is added once, after.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True,
+                 input_is_parallel: bool = False, init_method: InitMethod | None = None,
+                 skip_bias_add: bool = False, group=None, params_dtype: torch.dtype = torch.float32,
+                 device=None) -> None:
+        super().__init__()
+        self.group, size, rank = _group_info(group)
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.input_size_per_partition = _divide(input_size, size, "input_size")
+        init_method = init_method or init_method_normal(0.02)
+        self.weight = _sharded_parameter((output_size, input_size), 1, size, rank, init_method,
+                                         params_dtype, device)
+        self.bias = _bias(output_size, params_dtype, device, False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.group)
+        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.group)
+        if self.skip_bias_add or self.bias is None:
+            return y, self.bias
+        return y + self.bias, None
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron's padding: round the vocabulary up to a multiple of divisible_by * TP."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split across TP ranks: weight [V_padded/tp, h].
+
+    The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp`; padding
+    rows are zero and their logits are masked to -inf in `lm_logits`, so they never win.
+    forward(ids [...]) -> [..., h]: ids outside this rank's range are zeroed, then the
+    partial embeddings are all-reduced on the TP group.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 init_method: InitMethod | None = None, make_vocab_size_divisible_by: int = 128,
+                 group=None, params_dtype: torch.dtype = torch.float32, device=None) -> None:
+        super().__init__()
+        self.group, size, rank = _group_info(group)
+        self.num_embeddings = num_embeddings
+        self.padded_num_embeddings = pad_vocab_size(num_embeddings, make_vocab_size_divisible_by,
+                                                    size)
+        per_rank = self.padded_num_embeddings // size
+        self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
+        init_method = init_method or init_method_normal(0.02)
+
+        def init_real_rows(full: torch.Tensor) -> None:
+            full.zero_()
+            init_method(full[:num_embeddings])
+        self.weight = _sharded_parameter((self.padded_num_embeddings, embedding_dim), 0, size,
+                                         rank, init_real_rows, params_dtype, device)
+        num_real = min(max(num_embeddings - self.vocab_start, 0), per_rank)
+        self.num_padding_rows = per_rank - num_real
+        self.weight.unpadded_rows = num_embeddings
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.shape[0] == self.padded_num_embeddings:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(out, self.group)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied output layer: hidden [..., h] -> vocab-parallel logits [..., V_padded/tp]."""
+        hidden = copy_to_tensor_model_parallel_region(hidden, self.group)
+        if not self.num_padding_rows:
+            return F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight[:-self.num_padding_rows])
+        padding = logits.new_full(logits.shape[:-1] + (self.num_padding_rows,), float("-inf"))
+        return torch.cat([logits, padding], dim=-1)
+
+
+def gather_tensor_parallel(tensor: torch.Tensor, param: torch.Tensor, group=None) -> torch.Tensor:
+    """The full tensor (e.g. a weight or its grad) from every TP rank's shard of `param`.
+
+    All-gathers along `param.partition_dim` on the TP group; vocabulary padding is dropped.
+    """
+    group, size, _ = _group_info(group)
+    if getattr(param, "tensor_model_parallel", False) and size > 1:
+        dim = param.partition_dim
+        parts = torch.empty((size,) + tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        comm.all_gather_into(parts, tensor, group)
+        tensor = torch.cat(parts.unbind(0), dim=dim)
+    rows = getattr(param, "unpadded_rows", None)
+    return tensor[:rows] if rows is not None else tensor
+
+
+def shard_tensor_parallel(full: torch.Tensor, param: torch.Tensor, group=None) -> torch.Tensor:
+    """This TP rank's slice of a full (unpadded) tensor, shaped like `param`."""
+    group, size, rank = _group_info(group)
+    rows = getattr(param, "unpadded_rows", None)
+    if rows is not None:
+        if full.shape[0] != rows:
+            raise ValueError(f"embedding has {full.shape[0]} rows, expected vocab size {rows}")
+        padded = param.shape[0] * (size if getattr(param, "tensor_model_parallel", False) else 1)
+        full = torch.cat([full, full.new_zeros((padded - rows,) + full.shape[1:])])
+    if getattr(param, "tensor_model_parallel", False) and size > 1:
+        full = full.chunk(size, dim=param.partition_dim)[rank]
+    if full.shape != param.shape:
+        raise ValueError(f"shape {tuple(full.shape)} does not fit parameter {tuple(param.shape)}")
+    return full

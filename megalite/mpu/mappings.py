@@ -1,0 +1,98 @@
+"""Autograd mappings into and out of the tensor-parallel region (Shoeybi et al. 2019).
+
+copy_to (f): identity forward, all-reduce backward.   reduce_from (g): the converse.
+scatter_to: keep this rank's slice of the last dim; backward all-gathers it.
+gather_from: all-gather the last dim; backward keeps this rank's slice.
+All collectives run on the tensor-parallel group (or the `group` given).
+"""
+import torch
+
+from megalite.mpu import comm, parallel_state
+
+
+def _tp_group(group):
+    return parallel_state.get_tensor_model_parallel_group() if group is None else group
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    comm.all_reduce(x, group)
+    return x
+
+
+def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    size = comm.world_size(group)
+    if size == 1:
+        return x
+    rank = torch.distributed.get_rank(group)
+    return x.chunk(size, dim=-1)[rank].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather_last_dim(grad.contiguous(), ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather_last_dim(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad, ctx.group), None
+
+
+def _apply(fn, x: torch.Tensor, group) -> torch.Tensor:
+    group = _tp_group(group)
+    if comm.world_size(group) == 1:
+        return x
+    return fn.apply(x, group)
+
+
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """f: identity forward, all-reduce of the grad backward (on the TP group)."""
+    return _apply(_CopyToRegion, x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """g: all-reduce forward (on the TP group), identity backward."""
+    return _apply(_ReduceFromRegion, x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """[..., n] -> this rank's [..., n/tp]; backward all-gathers (on the TP group)."""
+    return _apply(_ScatterToRegion, x, group)
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """[..., n/tp] -> [..., n] all-gathered (on the TP group); backward keeps the slice."""
+    return _apply(_GatherFromRegion, x, group)
