@@ -1,0 +1,181 @@
+"""Pipeline schedule tables, checked as pure data against closed forms.
+
+v is the number of model chunks per rank: 1 for gpipe and 1f1b (each rank holds
+one contiguous stage), 2 or 4 for interleaved (rank r holds stages r, r+p, ...).
+"""
+
+from collections import Counter
+from fractions import Fraction
+from functools import cache
+
+import pytest
+
+from megalite.schedules.accounting import (
+    DeadlockError,
+    bubble_fraction,
+    p2p_message_count,
+    peak_inflight_activations,
+    peak_inflight_microbatches,
+    simulate,
+)
+from megalite.schedules.tables import Instruction, Kind, build_schedule, gpipe, interleaved_one_f_one_b, one_f_one_b
+
+F, B = Kind.FORWARD, Kind.BACKWARD
+SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_FORWARD, Kind.RECV_FORWARD, Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
+
+GRID = [
+    (name, p, v, m)
+    for p in (2, 3, 4, 8)
+    for m in (p, 2 * p, 3 * p)
+    for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 4)))
+    for v in vs
+]
+# m below p or not a multiple of it, and a single rank: allowed without interleaving.
+EXTRA = [(name, p, 1, m) for name in ("gpipe", "1f1b") for p, m in ((4, 1), (4, 3), (3, 5), (1, 3))]
+CASES = GRID + EXTRA
+each_case = pytest.mark.parametrize("case", CASES, ids=[f"{n}-p{p}-v{v}-m{m}" for n, p, v, m in CASES])
+
+
+@cache
+def table(name, p, v, m):
+    return build_schedule(name, p, m, v)
+
+
+@cache
+def timeline(name, p, v, m):
+    return simulate(table(name, p, v, m), forward_time=1, backward_time=2)
+
+
+def stage(rank, chunk, p):
+    return chunk * p + rank
+
+
+@each_case
+def test_every_chunk_and_microbatch_has_one_forward_and_one_backward(case):
+    name, p, v, m = case
+    for rank, instructions in enumerate(table(*case)):
+        computes = Counter((i.kind, i.chunk, i.microbatch) for i in instructions if i.kind in (F, B))
+        assert computes == Counter((k, c, mb) for k in (F, B) for c in range(v) for mb in range(m)), rank
+
+
+@each_case
+def test_every_send_has_one_matching_recv_in_posting_order(case):
+    name, p, v, m = case
+    sent, received = {}, {}  # (src, dst) -> [(kind, sending stage, microbatch)], in list order
+    for rank, instructions in enumerate(table(*case)):
+        for i in instructions:
+            s = stage(rank, i.chunk, p)
+            if i.kind in (SEND_F, SEND_B):
+                to = s + 1 if i.kind is SEND_F else s - 1
+                assert 0 <= to < p * v and i.peer == to % p, (rank, i)
+                sent.setdefault((rank, i.peer), []).append((i.kind is SEND_F, s, i.microbatch))
+            elif i.kind in (RECV_F, RECV_B):
+                frm = s - 1 if i.kind is RECV_F else s + 1
+                assert 0 <= frm < p * v and i.peer == frm % p, (rank, i)
+                received.setdefault((i.peer, rank), []).append((i.kind is RECV_F, frm, i.microbatch))
+    assert sent == received
+    messages = [msg for channel in sent.values() for msg in channel]
+    assert len(messages) == len(set(messages)) == 2 * m * (v * p - 1) == p2p_message_count(table(*case))
+
+
+@each_case
+def test_recv_before_its_compute_and_send_after_it(case):
+    for instructions in table(*case):
+        where = {(i.kind, i.chunk, i.microbatch): n for n, i in enumerate(instructions)}
+        for (kind, chunk, mb), n in where.items():
+            if kind in (RECV_F, RECV_B):
+                assert n < where[F if kind is RECV_F else B, chunk, mb]
+            if kind in (SEND_F, SEND_B):
+                assert n > where[F if kind is SEND_F else B, chunk, mb]
+
+
+@each_case
+def test_simulated_timeline_respects_dependencies(case):
+    name, p, v, m = case
+    spans = {(s.kind, stage(rank, s.chunk, p), s.microbatch): s for rank, rs in enumerate(timeline(*case).spans) for s in rs}
+    last = p * v - 1
+    for (kind, st, mb), span in spans.items():
+        if kind is F and st > 0:
+            assert span.start >= spans[F, st - 1, mb].end
+        if kind is B:
+            assert span.start >= spans[F, st, mb].end
+            if st < last:
+                assert span.start >= spans[B, st + 1, mb].end
+
+
+@each_case
+def test_bubble_fraction_matches_closed_form(case):
+    name, p, v, m = case
+    expected = Fraction(p - 1, v * m) if name == "interleaved" else Fraction(p - 1, m)
+    assert bubble_fraction(table(*case), forward_time=1, backward_time=2) == expected
+    assert timeline(*case).makespan == (m + Fraction(p - 1, v)) * 3
+
+
+def leading_forwards(instructions):
+    computes = [i.kind for i in instructions if i.kind in (F, B)]
+    return computes.index(B)
+
+
+@each_case
+def test_warmup_and_peak_inflight(case):
+    name, p, v, m = case
+    t = table(*case)
+    for rank in range(p):
+        # Forwards before the first backward: the warm-up plus, when backwards
+        # remain for the steady state, its first forward.
+        if name == "gpipe":
+            warmup, steady = m, False
+        elif name == "1f1b":
+            warmup = min(p - rank - 1, m)
+            steady = warmup < m
+        else:
+            warmup = min(2 * (p - rank - 1) + (v - 1) * p, m * v)
+            steady = warmup < m * v
+        assert leading_forwards(t[rank]) == warmup + steady
+        assert peak_inflight_activations(t, rank) == warmup + steady
+    peak0 = {"gpipe": m, "1f1b": min(p, m), "interleaved": Fraction(min((v + 1) * p - 1, m * v), v)}[name]
+    assert peak_inflight_microbatches(t, 0) == peak0
+    if name == "interleaved" and m >= 2 * p:  # Megatron: p * (1 + (p-1)/(p*v))
+        assert peak_inflight_microbatches(t, 0) == p * (1 + Fraction(p - 1, p * v))
+
+
+def test_simulator_detects_deadlock():
+    good = one_f_one_b(2, 1)
+    assert good[0] == [
+        Instruction(F, 0, 0), Instruction(SEND_F, 0, 0, 1), Instruction(RECV_B, 0, 0, 1), Instruction(B, 0, 0)
+    ]
+    simulate(good)
+    # Rank 0 waits for the grad before running the forward rank 1 needs.
+    broken = [[good[0][2], good[0][0], good[0][1], good[0][3]], good[1]]
+    with pytest.raises(DeadlockError, match="rank 0 .*RECV_BACKWARD"):
+        simulate(broken)
+
+
+def test_simulator_rejects_messages_out_of_order():
+    t = one_f_one_b(2, 2)
+    sends = [n for n, i in enumerate(t[0]) if i.kind is SEND_F]
+    t[0][sends[0]], t[0][sends[1]] = t[0][sends[1]], t[0][sends[0]]
+    with pytest.raises(ValueError, match="rank 0 sends"):
+        simulate(t)
+
+
+@pytest.mark.parametrize(
+    "build, arg",
+    [
+        (lambda: interleaved_one_f_one_b(4, 8, 1), "v"),
+        (lambda: interleaved_one_f_one_b(4, 6, 2), "m"),
+        (lambda: interleaved_one_f_one_b(1, 4, 2), "p"),
+        (lambda: one_f_one_b(4, 8, 2), "v"),
+        (lambda: gpipe(4, 8, 2), "v"),
+        (lambda: gpipe(0, 8), "p"),
+        (lambda: one_f_one_b(4, 0), "m"),
+        (lambda: one_f_one_b(4, 2.0), "m"),
+        (lambda: one_f_one_b("4", 8), "p"),
+        (lambda: build_schedule("zero-bubble", 4, 8, 1), "name"),
+    ],
+)
+def test_invalid_arguments_raise_one_clear_line(build, arg):
+    with pytest.raises(ValueError) as err:
+        build()
+    message = str(err.value)
+    assert message.startswith(f"{arg}: expected ") and "\n" not in message
