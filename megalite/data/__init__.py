@@ -1,0 +1,1 @@
+"""Data pipeline: indexed datasets, tokenizers, GPT samples, blending, samplers, builtin corpus."""
