@@ -1,0 +1,81 @@
+"""Tokenizers behind one small interface: sentencepiece models and local HF tokenizers.
+
+`build_tokenizer(path)` picks by what `path` is: a directory is a Hugging Face
+tokenizer (loaded with `AutoTokenizer.from_pretrained(dir, local_files_only=True)`),
+a file is a sentencepiece `.model`. Nothing here reaches the network.
+"""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids. `eod` ends a document; `pad` fills batches (= `eod` if absent)."""
+
+    vocab_size: int
+    eod: int
+    pad: int
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text`, with no special tokens added."""
+
+    @abstractmethod
+    def detokenize(self, ids: list[int]) -> str:
+        """Text of token ids."""
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece `.model` file; `eod` is its `</s>` (eos) piece."""
+
+    def __init__(self, model_path: str) -> None:
+        import sentencepiece
+
+        self.model_path = model_path
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        self.vocab_size = self._sp.get_piece_size()
+        self.eod = self._sp.eos_id()
+        if self.eod < 0:
+            raise ValueError(f"{model_path}: sentencepiece model has no eos piece, expected one "
+                             f"to use as end-of-document")
+        self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._sp.decode(list(map(int, ids)))
+
+
+class HFTokenizer(Tokenizer):
+    """A local Hugging Face tokenizer directory; `eod` is its eos token, else its sep token."""
+
+    def __init__(self, directory: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.directory = directory
+        self._tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        self.vocab_size = len(self._tok)
+        eod = self._tok.eos_token_id if self._tok.eos_token_id is not None else self._tok.sep_token_id
+        if eod is None:
+            raise ValueError(f"{directory}: tokenizer has neither an eos nor a sep token, expected "
+                             f"one to use as end-of-document")
+        self.eod = eod
+        self.pad = self._tok.pad_token_id if self._tok.pad_token_id is not None else eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._tok.decode(list(map(int, ids)))
+
+
+def build_tokenizer(path: str) -> Tokenizer:
+    """A sentencepiece tokenizer for a `.model` file, an HF tokenizer for a directory."""
+    if os.path.isdir(path):
+        return HFTokenizer(path)
+    if os.path.isfile(path):
+        return SentencePieceTokenizer(path)
+    raise FileNotFoundError(f"--tokenizer {path}: no such file or directory (expected a "
+                            f"sentencepiece .model file or a Hugging Face tokenizer directory)")
