@@ -1,0 +1,111 @@
+"""The built-in default corpus: Python's own documentation text, tokenised and cached.
+
+On first use the text of `builtin_extract.builtin_documents` is written to
+`corpus.jsonl`, a sentencepiece BPE model (vocabulary VOCAB_SIZE) is trained on it,
+and the documents are tokenised with an end-of-document token each into
+`builtin_text_document.bin/.idx`. The build happens in a temporary sibling folder
+renamed into place at the end, with a `DONE` marker, so an interrupted build is
+never mistaken for a finished one. Default location: `$MEGALITE_CACHE/builtin`,
+`MEGALITE_CACHE` defaulting to `~/.cache/megalite`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megalite.data.builtin_extract import builtin_documents
+from megalite.data.preprocess import output_prefix_for, preprocess_documents
+from megalite.data.tokenizer_training import train_sentencepiece
+
+VOCAB_SIZE = 8000
+TRAINING_LINES = 200_000
+MARKER = "DONE"
+
+
+@dataclass(frozen=True)
+class BuiltinCorpus:
+    data_prefix: str  # indexed dataset prefix (without .bin/.idx)
+    tokenizer_path: str  # sentencepiece .model
+    vocab_size: int
+
+
+def default_cache_dir() -> str:
+    """`$MEGALITE_CACHE/builtin`, or `~/.cache/megalite/builtin`."""
+    root = os.environ.get("MEGALITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megalite")
+    return os.path.join(root, "builtin")
+
+
+def _log(message: str) -> None:
+    print(f"[megalite builtin corpus] {message}", flush=True)
+
+
+def _build(directory: str) -> dict:
+    """Extract, train the tokenizer and tokenise into `directory`; returns the figures."""
+    start, workers = time.time(), os.cpu_count() or 1
+    _log(f"extracting documentation text from the standard library ({workers} processes)")
+    documents = builtin_documents(workers=workers)
+    megabytes = sum(len(doc.encode()) for doc in documents) / 1e6
+    with open(os.path.join(directory, "corpus.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": doc}) + "\n" for doc in documents)
+    _log(f"{len(documents)} documents, {megabytes:.1f} MB of text ({time.time() - start:.0f} s); "
+         f"training a {VOCAB_SIZE}-token sentencepiece BPE model")
+    lines_path = os.path.join(directory, "tokenizer_input.txt")
+    with open(lines_path, "w", encoding="utf-8") as f:
+        f.writelines(doc + "\n" for doc in documents)
+    tokenizer_path = train_sentencepiece([lines_path], os.path.join(directory, "tokenizer"),
+                                         VOCAB_SIZE, "bpe", input_sentence_size=TRAINING_LINES)
+    os.remove(lines_path)
+    _log(f"tokenizer trained ({time.time() - start:.0f} s); tokenizing")
+    counts = preprocess_documents(({"text": doc} for doc in documents), ["text"], tokenizer_path,
+                                  os.path.join(directory, "builtin"), append_eod=True,
+                                  workers=workers, total=len(documents), progress=False)
+    docs, tokens = counts["text"]
+    figures = {"documents": docs, "tokens": tokens, "megabytes": round(megabytes, 2),
+               "vocab_size": VOCAB_SIZE, "build_seconds": round(time.time() - start, 1)}
+    _log(f"{docs} documents, {tokens} tokens ({figures['build_seconds']} s)")
+    return figures
+
+
+def _load(directory: str) -> BuiltinCorpus:
+    with open(os.path.join(directory, MARKER)) as f:
+        figures = json.load(f)
+    return BuiltinCorpus(output_prefix_for(os.path.join(directory, "builtin"), "text"),
+                         os.path.join(directory, "tokenizer.model"), figures["vocab_size"])
+
+
+def builtin_corpus(cache_dir: str | None = None, is_builder_rank: bool = True,
+                   barrier: Callable[[], None] = lambda: None) -> BuiltinCorpus:
+    """The built-in corpus in `cache_dir` (default `default_cache_dir()`), built there on
+    first use by the builder rank while the others wait in `barrier()`."""
+    directory = os.path.abspath(cache_dir or default_cache_dir())
+    done = os.path.join(directory, MARKER)
+    if is_builder_rank and not os.path.isfile(done):
+        if os.path.isdir(directory) and os.listdir(directory):
+            raise FileExistsError(f"{directory}: exists without a {MARKER} marker; expected an "
+                                  f"empty or absent folder to build the builtin corpus in")
+        _log(f"building in {directory} (first use; 10-30 s)")
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp-",
+                                   dir=os.path.dirname(directory))
+        try:
+            figures = _build(staging)
+            with open(os.path.join(staging, MARKER), "w") as f:
+                json.dump(figures, f, indent=1)
+            os.chmod(staging, 0o755)
+            try:
+                os.replace(staging, directory)
+            except OSError:  # another process finished the same build first
+                if not os.path.isfile(done):
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    barrier()
+    if not os.path.isfile(done):
+        raise FileNotFoundError(f"{done}: missing after the builder rank's barrier (expected the "
+                                f"builder rank to build the builtin corpus in a shared folder)")
+    return _load(directory)
