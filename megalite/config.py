@@ -192,3 +192,33 @@ def build_parser(config_classes: list[type], description: str = "") -> argparse.
 def config_from_args(config_cls, args: argparse.Namespace):
     """Build `config_cls` from parsed args; a ValueError from validation exits with one line."""
     return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+
+
+@dataclass
+class Configs:
+    """Every config of a training run, as parsed from the command line."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    precision: PrecisionConfig
+    optimizer: OptimizerConfig
+    train: TrainConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Configs)}
+
+
+def parse_configs(argv: list[str] | None = None, description: str = "",
+                  defaults: dict | None = None) -> Configs:
+    """Parse the generated flags into `Configs`; invalid values exit with one clear line."""
+    classes = [eval(t) if isinstance(t, str) else t for t in _SECTIONS.values()]
+    parser = build_parser(classes, description)
+    if defaults:
+        parser.set_defaults(**defaults)
+    args = parser.parse_args(argv)
+    try:
+        return Configs(*(config_from_args(cls, args) for cls in classes))
+    except ValueError as error:
+        parser.exit(2, f"error: {error}\n")

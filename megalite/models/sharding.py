@@ -10,8 +10,13 @@ from torch import nn
 from megalite.mpu.layers import gather_tensor_parallel, shard_tensor_parallel
 
 
+def unwrap(chunk: nn.Module) -> nn.Module:
+    """The model inside a data-parallel wrapper (which keeps it as `.module`)."""
+    return getattr(chunk, "module", chunk)
+
+
 def _chunks(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
-    return model if isinstance(model, list) else [model]
+    return [unwrap(c) for c in (model if isinstance(model, list) else [model])]
 
 
 def full_state_dict(model: nn.Module | list[nn.Module], group=None,

@@ -41,25 +41,30 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool
 
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
-    """Gather every rank's `tensor` into `output` (concatenated along dim 0) over `group`."""
+    """Gather every rank's `tensor` into `output` [world * n0, ...] (rank order) over `group`."""
     _count("all_gather", tensor)
-    return dist.all_gather_into_tensor(output, tensor.contiguous(), group=group, async_op=async_op)
+    return dist.all_gather_single(output, tensor.contiguous(), group=group, async_op=async_op)
+
+
+def all_gather_stacked(tensor: torch.Tensor, group) -> torch.Tensor:
+    """[...] per rank -> [world, ...] ordered by group rank."""
+    size = world_size(group)
+    out = torch.empty((size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
+    all_gather_into(out, tensor.reshape(-1), group)
+    return out.view((size,) + tensor.shape)
 
 
 def all_gather_last_dim(tensor: torch.Tensor, group) -> torch.Tensor:
     """[..., n] per rank -> [..., n * world] ordered by group rank."""
-    size = world_size(group)
-    if size == 1:
+    if world_size(group) == 1:
         return tensor
-    out = torch.empty((size,) + tensor.shape, dtype=tensor.dtype, device=tensor.device)
-    all_gather_into(out, tensor, group)
-    return torch.cat(out.unbind(0), dim=-1)
+    return torch.cat(all_gather_stacked(tensor, group).unbind(0), dim=-1)
 
 
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
-    """Sum `tensor` over `group` and keep this rank's dim-0 slice in `output`."""
+    """Sum `tensor` [world * n0, ...] over `group`; keep this rank's n0-slice in `output`."""
     _count("reduce_scatter", tensor)
-    return dist.reduce_scatter_tensor(output, tensor, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(output, tensor, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> None:

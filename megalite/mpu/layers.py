@@ -188,10 +188,8 @@ def gather_tensor_parallel(tensor: torch.Tensor, param: torch.Tensor, group=None
     """
     group, size, _ = _group_info(group)
     if getattr(param, "tensor_model_parallel", False) and size > 1:
-        dim = param.partition_dim
-        parts = torch.empty((size,) + tensor.shape, dtype=tensor.dtype, device=tensor.device)
-        comm.all_gather_into(parts, tensor, group)
-        tensor = torch.cat(parts.unbind(0), dim=dim)
+        tensor = torch.cat(comm.all_gather_stacked(tensor, group).unbind(0),
+                           dim=param.partition_dim)
     rows = getattr(param, "unpadded_rows", None)
     return tensor[:rows] if rows is not None else tensor
 
