@@ -43,6 +43,18 @@ def gpt2_config(hf_config) -> ModelConfig:
         activation="gelu" if hf_config.activation_function == "gelu" else "gelu_tanh")
 
 
+def to_gpt2_config(config: ModelConfig):
+    """transformers GPT2Config equal to a megalite ModelConfig (inverse of gpt2_config)."""
+    from transformers import GPT2Config
+    return GPT2Config(
+        n_layer=config.num_layers, n_embd=config.hidden_size, n_head=config.num_attention_heads,
+        n_inner=config.ffn_hidden_size, vocab_size=config.vocab_size,
+        n_positions=config.max_position_embeddings, layer_norm_epsilon=config.layernorm_epsilon,
+        resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
+        attn_pdrop=config.attention_dropout, initializer_range=config.init_method_std,
+        activation_function="gelu_new" if config.activation == "gelu_tanh" else "gelu")
+
+
 def qkv_to_head_major(t: torch.Tensor, heads: int) -> torch.Tensor:
     """[3h, ...] ordered [q | k | v] -> [3h, ...] ordered [heads, (q, k, v), head_dim]."""
     return t.reshape(3, heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
