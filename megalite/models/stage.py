@@ -2,6 +2,7 @@
 import torch
 from torch import nn
 
+from megalite.models.sharding import unwrap
 from megalite.mpu import comm, parallel_state
 from megalite.mpu.layers import VocabParallelEmbedding
 
@@ -38,12 +39,17 @@ def share_embedding_with_first_stage(weight: nn.Parameter) -> None:
 
 
 def shared_embedding_params(model: nn.Module | list[nn.Module]) -> list[nn.Parameter]:
-    """The word-embedding weights of this rank's chunks, tied across first and last stage."""
+    """The word-embedding weights of this rank's chunks, tied across first and last stage.
+
+    Chunks whose model sets `share_embeddings_and_output_weights = False` (BERT with a
+    classification head: no output layer) have none.
+    """
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return []
     chunks = model if isinstance(model, list) else [model]
-    return [m.weight for chunk in chunks for m in chunk.modules()
-            if isinstance(m, VocabParallelEmbedding)]
+    return [m.weight for chunk in chunks
+            if getattr(unwrap(chunk), "share_embeddings_and_output_weights", True)
+            for m in chunk.modules() if isinstance(m, VocabParallelEmbedding)]
 
 
 @torch.no_grad()
