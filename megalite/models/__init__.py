@@ -1,4 +1,5 @@
 """Models built per pipeline stage / virtual chunk."""
+from megalite.models.bert import BertModel
 from megalite.models.gpt import GPTModel
 
-__all__ = ["GPTModel"]
+__all__ = ["BertModel", "GPTModel"]

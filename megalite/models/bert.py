@@ -1,0 +1,146 @@
+"""BERT built from the mpu blocks, one pipeline stage at a time, with one of two heads.
+
+`head="classification"`: pooler tanh(dense(h[CLS])), dropout, linear to `num_labels`
+(Hugging Face's BertForSequenceClassification). `head="mlm"`: dense + GeLU + LayerNorm,
+logits tied to the word embedding plus a vocab-parallel bias (BertForMaskedLM); only
+this head shares the word embedding between the first and the last stage.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config import ModelConfig
+from megalite.models.gpt import Embedding
+from megalite.models.stage import pipeline_layer_range, share_embedding_with_first_stage
+from megalite.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megalite.mpu.layers import (VocabParallelEmbedding, init_method_normal,
+                                 set_tensor_model_parallel_attributes)
+from megalite.mpu.transformer import ParallelTransformer, init_scope, layer_norm
+
+HEADS = ("classification", "mlm")
+
+
+def replicated_linear(config: ModelConfig, in_features: int, out_features: int,
+                      params_dtype: torch.dtype, device) -> nn.Linear:
+    """nn.Linear kept whole on every TP rank: normal(std) weight, zero bias."""
+    linear = nn.Linear(in_features, out_features, dtype=params_dtype, device=device)
+    init_method_normal(config.init_method_std)(linear.weight.data)
+    nn.init.zeros_(linear.bias)
+    for param in linear.parameters():
+        set_tensor_model_parallel_attributes(param, False)
+    return linear
+
+
+class Pooler(nn.Module):
+    """hidden [s, b, h] -> tanh(dense(hidden[0])) [b, h] (the [CLS] position)."""
+
+    def __init__(self, config: ModelConfig, params_dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.dense = replicated_linear(config, config.hidden_size, config.hidden_size,
+                                       params_dtype, device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(hidden[0]))
+
+
+class MaskedLMHead(nn.Module):
+    """dense + GeLU + LayerNorm, then the tied word embedding and a vocab-parallel bias.
+
+    forward(hidden [s, b, h], word_embeddings) -> vocab-parallel logits [s, b, V_padded/tp].
+    """
+
+    def __init__(self, config: ModelConfig, word_embeddings: VocabParallelEmbedding,
+                 params_dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+        self.dense = replicated_linear(config, config.hidden_size, config.hidden_size,
+                                       params_dtype, device)
+        self.layernorm = layer_norm(config, params_dtype, device)
+        word = word_embeddings.weight
+        self.bias = nn.Parameter(torch.zeros(word.shape[0], dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.bias, word.tensor_model_parallel, 0)
+        self.bias.unpadded_rows = word_embeddings.num_embeddings
+
+    def forward(self, hidden: torch.Tensor, word_embeddings: VocabParallelEmbedding
+                ) -> torch.Tensor:
+        hidden = self.layernorm(F.gelu(self.dense(hidden), approximate=self.approximate))
+        return word_embeddings.lm_logits(hidden) + self.bias
+
+
+class BertModel(nn.Module):
+    """The BERT layers of one pipeline stage.
+
+    pre_process: this stage embeds (word + position + token type, LayerNorm, dropout);
+    otherwise it starts from `set_input_tensor`. post_process: this stage ends with the head.
+    forward(input_ids [b, s], attention_mask [b, s] 1 = token / 0 = padding | None,
+            tokentype_ids [b, s] | None, labels | None) ->
+      last stage, classification: loss [b] for labels [b], else logits [b, num_labels];
+      last stage, mlm: per-token loss [b, s] for labels [b, s] (0 where label < 0), else
+        vocab-parallel logits [b, s, V_padded/tp];
+      other stages: hidden states [s, b, h] for the next stage.
+    Every stage needs attention_mask; only the first reads input_ids and tokentype_ids.
+    """
+
+    def __init__(self, config: ModelConfig, head: str = "classification", num_labels: int = 2,
+                 pre_process: bool = True, post_process: bool = True,
+                 layer_range: tuple[int, int] | None = None, init_seed: int = 1234, group=None,
+                 params_dtype: torch.dtype = torch.float32, device=None) -> None:
+        super().__init__()
+        if head not in HEADS:
+            raise ValueError(f"BERT head {head!r} is not one of {HEADS}")
+        if head == "classification" and num_labels < 2:
+            raise ValueError(f"num_labels ({num_labels}) must be >= 2 for classification")
+        self.config, self.head, self.num_labels = config, head, num_labels
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_range = layer_range or pipeline_layer_range(config.num_layers)
+        self.share_embeddings_and_output_weights = head == "mlm"
+        kw = dict(group=group, params_dtype=params_dtype, device=device)
+        lm_stage = post_process and head == "mlm"
+        if pre_process or lm_stage:
+            self.embedding = Embedding(config, init_seed, word_only=not pre_process, **kw)
+        if pre_process:
+            self.embedding_layernorm = layer_norm(config, params_dtype, device)
+        elif lm_stage:
+            share_embedding_with_first_stage(self.embedding.word_embeddings.weight)
+        self.encoder = ParallelTransformer(config, self.layer_range, init_seed, **kw)
+        if post_process and head == "classification":
+            with init_scope(init_seed, "pooler"):
+                self.pooler = Pooler(config, params_dtype, device)
+            with init_scope(init_seed, "classifier"):
+                self.classifier = replicated_linear(config, config.hidden_size, num_labels,
+                                                    params_dtype, device)
+        if lm_stage:
+            with init_scope(init_seed, "lm_head"):
+                self.lm_head = MaskedLMHead(config, self.embedding.word_embeddings,
+                                            params_dtype, device)
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Hidden states [s, b, h] received from the previous stage."""
+        self.input_tensor = tensor
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.config.hidden_dropout, self.training)
+
+    def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                tokentype_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        if self.pre_process:
+            hidden = self._dropout(self.embedding_layernorm(
+                self.embedding(input_ids, tokentype_ids=tokentype_ids)))
+        else:
+            hidden = self.input_tensor
+        hidden = self.encoder(hidden, mask)
+        if not self.post_process:
+            return hidden
+        if self.head == "mlm":
+            logits = self.lm_head(hidden, self.embedding.word_embeddings)
+            if labels is None:
+                return logits.transpose(0, 1)
+            loss = vocab_parallel_cross_entropy(logits, labels.t().clamp(min=0)).t()
+            return loss.masked_fill(labels < 0, 0.0)
+        logits = self.classifier(self._dropout(self.pooler(hidden)))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float(), labels, reduction="none")
