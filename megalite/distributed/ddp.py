@@ -1,0 +1,89 @@
+"""The data-parallel model wrapper: grads into bucketed fp32 buffers, reduced during backward."""
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from megalite.distributed.grad_buffer import Bucket, GradBuffer
+from megalite.models.stage import shared_embedding_params
+from megalite.mpu import parallel_state
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap one model chunk: its grads accumulate into `param.main_grad` (fp32, one contiguous
+    buffer per param dtype), averaged over the DP group bucket by bucket.
+
+    A post-accumulate-grad hook adds each `param.grad` into `main_grad` and frees it; with
+    `overlap_grad_reduce` a bucket's reduction is launched (async) as soon as its last grad
+    arrives. Inside `no_sync()` grads only accumulate. `finish_grad_sync()` waits for every
+    bucket (launching those not yet launched); `zero_grad_buffer()` starts the next step.
+    With `use_distributed_optimizer` buckets are padded and reduce-scattered (see GradBuffer).
+    Calls and unknown attributes (`set_input_tensor`, `config`, ...) go to the wrapped module.
+    """
+
+    def __init__(self, module: nn.Module, bucket_size: int = 40_000_000,
+                 overlap_grad_reduce: bool = True, use_distributed_optimizer: bool = False,
+                 data_parallel_group=None) -> None:
+        super().__init__()
+        self.module = module
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.data_parallel_group = (parallel_state.get_data_parallel_group()
+                                    if data_parallel_group is None else data_parallel_group)
+        params = [p for p in module.parameters() if p.requires_grad]
+        tied = frozenset(shared_embedding_params(module)) if use_distributed_optimizer \
+            else frozenset()
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for param in params:
+            by_dtype.setdefault(param.dtype, []).append(param)
+        self.grad_buffers = [GradBuffer(group, self.data_parallel_group, bucket_size,
+                                        use_distributed_optimizer, tied)
+                        for group in by_dtype.values()]
+        self._bucket_of: dict[nn.Parameter, Bucket] = {
+            p: bucket for bucket in self.buckets() for p in bucket.params}
+        self._sync = True
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._accumulate)
+
+    def _accumulate(self, param: nn.Parameter) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if self._sync and self.overlap_grad_reduce:
+            self._bucket_of[param].grad_ready(param)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate grads (all but the last microbatch)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def buckets(self) -> list[Bucket]:
+        return [bucket for buffer in self.grad_buffers for bucket in buffer.buckets]
+
+    def finish_grad_sync(self) -> None:
+        """Complete every bucket's DP reduction; main_grad then holds the DP mean
+        (sharded: only in this rank's shards)."""
+        for bucket in self.buckets():
+            bucket.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every main_grad and re-arm the buckets for the next step."""
+        for buffer in self.grad_buffers:
+            buffer.reset()
+        for param in self._bucket_of:
+            param.grad = None
