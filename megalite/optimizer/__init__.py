@@ -1,0 +1,49 @@
+"""Optimizers: fp32 main params (mixed precision), fp16 loss scaling, global-norm clipping,
+the distributed (ZeRO-1) optimizer and the learning-rate schedule.
+
+One training step, in this order (megalite.training.train_step):
+
+    for chunk in model: chunk.zero_grad_buffer()          # DistributedDataParallel
+    optimizer.zero_grad()
+    forward_backward(..., loss_scale=optimizer.loss_scale)  # executor scales the loss
+    for chunk in model: chunk.finish_grad_sync()          # DP mean in param.main_grad
+    allreduce_shared_embedding_grads(model)               # megalite.models.stage
+    stepped, grad_norm = optimizer.step()                 # False: fp16 overflow, skipped
+    if stepped: scheduler.step()
+
+`optimizer.step()` unscales and checks for inf/NaN (fp16), clips by the global norm
+(`clip_grad` > 0), steps the fp32 main params and copies them back (all-gathering the
+params with the distributed optimizer). Checkpoints save `optimizer.state_dict()` (this
+rank's: torch optimizer state, fp32 main params, scaler; the shard with the distributed
+optimizer) and `scheduler.state_dict()`.
+"""
+from torch import nn
+
+from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.optimizer.distrib_optimizer import DistributedOptimizer
+from megalite.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megalite.optimizer.optimizer import MixedPrecisionOptimizer
+from megalite.optimizer.scheduler import OptimizerParamScheduler
+
+
+def get_optimizer(opt_config: OptimizerConfig, precision: PrecisionConfig,
+                  model_chunks: nn.Module | list[nn.Module], train_iters: int | None = None
+                  ) -> tuple[MixedPrecisionOptimizer, OptimizerParamScheduler]:
+    """The optimizer for this rank's DistributedDataParallel-wrapped chunks, and its LR
+    scheduler (decaying over --lr-decay-iters, default `train_iters`)."""
+    chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+    for chunk in chunks:
+        if not hasattr(chunk, "grad_buffers"):
+            raise TypeError("get_optimizer: wrap each model chunk in "
+                            "megalite.distributed.DistributedDataParallel first")
+        if chunk.use_distributed_optimizer != opt_config.use_distributed_optimizer:
+            raise ValueError("get_optimizer: DistributedDataParallel(use_distributed_optimizer="
+                             f"{chunk.use_distributed_optimizer}) does not match "
+                             f"--use-distributed-optimizer={opt_config.use_distributed_optimizer}")
+    cls = DistributedOptimizer if opt_config.use_distributed_optimizer else MixedPrecisionOptimizer
+    optimizer = cls(chunks, opt_config, precision)
+    return optimizer, OptimizerParamScheduler.from_config(optimizer, opt_config, train_iters)
+
+
+__all__ = ["get_optimizer", "MixedPrecisionOptimizer", "DistributedOptimizer",
+           "OptimizerParamScheduler", "DynamicGradScaler", "ConstantGradScaler"]

@@ -1,0 +1,41 @@
+"""The distributed optimizer (ZeRO-1): fp32 main params and optimizer state sharded over DP.
+
+DP rank r owns shard r of every bucket of the DDP grad buffers (a contiguous range of
+each bucket; with the default bucket size one bucket, so one range of the whole
+buffer). After the buckets' reduce-scatter the owned range holds the DP-mean grads;
+this rank steps only the pieces of parameters inside it (one Fragment per piece, so
+1-D params still skip weight decay), writes them into the param buffer and all-gathers
+every bucket's params over DP. Grad statistics (norm, overflow) are reduced over the
+DP group and then the model-parallel group, since each rank sees only its shard.
+"""
+from megalite.optimizer.optimizer import Fragment, MixedPrecisionOptimizer
+from megalite.mpu import parallel_state
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """MixedPrecisionOptimizer over this DP rank's shard; chunks must be wrapped with
+    `DistributedDataParallel(..., use_distributed_optimizer=True)`."""
+
+    def _build_fragments(self) -> list[Fragment]:
+        fragments = []
+        for chunk in self.model_chunks:
+            for buffer in chunk.grad_buffers:
+                for bucket in buffer.buckets:
+                    lo, hi = bucket.shard_range()
+                    for param in bucket.params:
+                        start, end = buffer.ranges[param]
+                        a, b = max(start, lo), min(end, hi)
+                        if a < b:
+                            fragments.append(Fragment.of(param, buffer.param_data[a:b],
+                                                         buffer.grad_data[a:b]))
+        return fragments
+
+    def _stats_groups(self) -> list:
+        return [self.model_chunks[0].data_parallel_group,
+                parallel_state.get_model_parallel_group()]
+
+    def _copy_main_to_model(self) -> None:
+        super()._copy_main_to_model()
+        for chunk in self.model_chunks:
+            for bucket in chunk.buckets():
+                bucket.gather_params()

@@ -1,0 +1,41 @@
+"""Statistics of the gradients over all ranks holding a piece of the model: the global L2
+norm (each parameter counted once across TP, PP and DP) and the fp16 overflow check."""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.mpu import comm, parallel_state
+
+
+def counts_toward_norm(param: nn.Parameter) -> bool:
+    """Whether this rank's copy of `param` enters the global norm.
+
+    TP-replicated params (`tensor_model_parallel` False: norms, row-parallel biases, position
+    embeddings) count on TP rank 0 only; the last stage's copy of the tied word embedding
+    (`shared_embedding_copy`) never counts (the first stage's does).
+    """
+    if getattr(param, "shared_embedding_copy", False):
+        return False
+    return (getattr(param, "tensor_model_parallel", False)
+            or parallel_state.get_tensor_model_parallel_rank() == 0)
+
+
+def global_grad_norm(grads: list[torch.Tensor], groups: list, device: torch.device) -> float:
+    """sqrt(sum of squares of `grads`), the sum all-reduced over each of `groups` in turn.
+
+    `grads` are this rank's counted grads (see counts_toward_norm); `groups` the
+    model-parallel group, preceded by the DP group when each rank holds a shard.
+    """
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        total += torch.nn.utils.get_total_norm(grads).float() ** 2
+    for group in groups:
+        comm.all_reduce(total, group)
+    return total.sqrt().item()
+
+
+def found_inf_anywhere(found_inf: torch.Tensor, groups: list) -> bool:
+    """MAX-reduce a local 0/1 overflow flag over each of `groups`; True if any rank saw inf/NaN."""
+    for group in groups:
+        comm.all_reduce(found_inf, group, op=dist.ReduceOp.MAX)
+    return bool(found_inf.item())
