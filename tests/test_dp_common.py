@@ -5,6 +5,7 @@ batches, the wrapped model + optimizer under test, and an independent single-pro
 reference: the same GPT (weights do not depend on the layout) trained with plain
 torch AdamW + clip_grad_norm_ on the concatenated batch.
 """
+import contextlib
 import functools
 
 import torch
@@ -82,19 +83,20 @@ def train_step(model: DistributedDataParallel, optimizer, tokens: torch.Tensor,
 
 
 def compute_grads(model: DistributedDataParallel, optimizer, tokens: torch.Tensor,
-                  microbatches: int = 1) -> None:
-    """Everything of `train_step` before `optimizer.step()`: main_grad holds the DP mean."""
+                  microbatches: int = 1) -> float:
+    """Everything of `train_step` before `optimizer.step()`: main_grad holds the DP mean.
+    Returns this rank's mean loss."""
     model.zero_grad_buffer()
     optimizer.zero_grad()
+    total = 0.0
     for i, mb in enumerate(tokens.chunk(microbatches)):
-        loss = model(mb[:, :-1], mb[:, 1:]).float().mean() * (optimizer.loss_scale / microbatches)
-        if i < microbatches - 1:
-            with model.no_sync():
-                loss.backward()
-        else:
-            loss.backward()
+        loss = model(mb[:, :-1], mb[:, 1:]).float().mean() / microbatches
+        total += loss.item()
+        with model.no_sync() if i < microbatches - 1 else contextlib.nullcontext():
+            (loss * optimizer.loss_scale).backward()
     model.finish_grad_sync()
     allreduce_shared_embedding_grads(model)
+    return total
 
 
 def full_params(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -109,7 +111,7 @@ class Reference:
 
     def __init__(self, config: OptimizerConfig = opt_config()) -> None:
         self.group = rank_group(1)
-        self.model = GPTModel(CONFIG, group=self.group)
+        self.model = GPTModel(CONFIG, layer_range=(0, CONFIG.num_layers), group=self.group)
         params = list(self.model.parameters())
         self.clip = config.clip_grad
         groups = [{"params": [p for p in params if p.ndim > 1],
