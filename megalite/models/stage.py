@@ -1,4 +1,6 @@
 """Which part of the model a pipeline rank (and virtual chunk) builds, and the tied embedding."""
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -26,6 +28,22 @@ def pipeline_layer_range(num_layers: int, pp_size: int | None = None, pp_rank: i
     per_stage = num_layers // (p * v)
     stage = c * p + r
     return stage * per_stage, (stage + 1) * per_stage
+
+
+def build_model_chunks(model_provider: Callable[..., nn.Module]) -> list[nn.Module]:
+    """This rank's model chunks: one per virtual rank (a list of one without VPP).
+
+    Calls `model_provider(pre_process=..., post_process=...)` with the virtual rank set, so
+    each chunk builds its own layer range, and the embedding / head on the first / last stage.
+    """
+    v = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for chunk in range(v or 1):
+        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk if v else None)
+        chunks.append(model_provider(pre_process=parallel_state.is_pipeline_first_stage(),
+                                     post_process=parallel_state.is_pipeline_last_stage()))
+    parallel_state.set_virtual_pipeline_model_parallel_rank(0 if v else None)
+    return chunks
 
 
 def share_embedding_with_first_stage(weight: nn.Parameter) -> None:
