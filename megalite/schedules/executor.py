@@ -1,0 +1,206 @@
+"""Run one pipeline rank's schedule table: `forward_backward(...)`.
+
+The table (gpipe, 1f1b or interleaved, from `megalite.schedules.tables`) is walked
+in order: each FORWARD / BACKWARD runs a model chunk, each maximal run of
+sends/recvs is one batch posted on the pipeline group and waited for (the
+executor rule in tables.py, deadlock-free for every p >= 2). With p = 1 the 1f1b
+table is F B F B ...: plain gradient accumulation.
+
+Megatron semantics: `forward_step_func(data_iterator, model_chunk)` returns
+`(output_tensor, loss_func)`; on the last stage `loss_func(output_tensor)` returns
+`(loss, {"lm loss": detached value, ...})` and the loss is multiplied by
+`loss_scale / num_microbatches` before backward, so gradients are the mean over
+the global batch (times the fp16 loss scale). Other stages send their output
+[s, b, h] on and, in backward, the grad of their received input back.
+"""
+import contextlib
+import functools
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from megalite.mpu import comm, parallel_state
+from megalite.schedules.p2p import Channel
+from megalite.schedules.tables import COMPUTE, Instruction, Kind, build_schedule
+
+LossDict = dict[str, torch.Tensor]
+BACKWARD_KINDS = frozenset({Kind.BACKWARD, Kind.SEND_BACKWARD, Kind.RECV_BACKWARD})
+
+
+@functools.lru_cache(maxsize=32)
+def rank_table(schedule: str, p: int, m: int, v: int, rank: int,
+               forward_only: bool) -> tuple[Instruction, ...]:
+    """This rank's instructions; forward_only drops backwards and grad messages (the rounds of
+    the remaining forwards are unchanged, so the batching rule stays deadlock-free)."""
+    table = build_schedule(schedule, p, m, v)[rank]
+    return tuple(ins for ins in table if not (forward_only and ins.kind in BACKWARD_KINDS))
+
+
+def unwrap(chunk: nn.Module) -> nn.Module:
+    """The model inside wrappers that keep it as `.module` (data-parallel buffers)."""
+    while not hasattr(chunk, "set_input_tensor") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def free_output(tensor: torch.Tensor) -> None:
+    """Release a sent activation's storage while autograd keeps its graph (Megatron's
+    deallocate_output_tensor): a stride-0 view of one element keeps the [s, b, h] shape
+    that torch.autograd.backward checks against the incoming grad."""
+    if tensor._base is None:
+        tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+
+
+def _chunk_iterators(data_iterator, v: int) -> list:
+    """One iterator per chunk: a list is taken as is; one iterator is tee'd so that every
+    chunk sees microbatches 0, 1, ... in order."""
+    if isinstance(data_iterator, list):
+        if len(data_iterator) != v:
+            raise ValueError(f"data_iterator: expected one per model chunk ({v}), "
+                             f"got {len(data_iterator)}")
+        return data_iterator
+    if data_iterator is None or v == 1:
+        return [data_iterator] * v
+    return list(itertools.tee(data_iterator, v))
+
+
+class _Run:
+    """State of one step on one rank; tensors are kept by (local chunk, microbatch)."""
+
+    def __init__(self, forward_step_func: Callable, iterators: list, chunks: list[nn.Module],
+                 num_microbatches: int, channel: Channel, forward_only: bool,
+                 loss_scale: float) -> None:
+        self.forward_step_func, self.iterators, self.chunks = forward_step_func, iterators, chunks
+        self.m, self.channel = num_microbatches, channel
+        self.forward_only, self.loss_scale = forward_only, loss_scale
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}        # received activations
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}       # outputs, or scaled losses
+        self.output_grads: dict[tuple[int, int], torch.Tensor] = {}  # received grads
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}   # grads to send back
+        self.backwards: Counter = Counter()
+        self.losses: list[LossDict] = []
+
+    def _select(self, chunk: int) -> nn.Module:
+        if len(self.chunks) > 1:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+        return self.chunks[chunk]
+
+    def forward(self, key: tuple[int, int]) -> None:
+        chunk = self._select(key[0])
+        first = parallel_state.is_pipeline_first_stage()
+        last = parallel_state.is_pipeline_last_stage()
+        unwrap(chunk).set_input_tensor(None if first else self.inputs[key])
+        output, loss_func = self.forward_step_func(self.iterators[key[0]], chunk)
+        unwrap(chunk).set_input_tensor(None)  # the graph, and self.inputs, keep what is needed
+        if last:
+            loss, loss_dict = loss_func(output)
+            self.losses.append(loss_dict)
+            output = loss * (self.loss_scale / self.m)
+        if self.forward_only:
+            self.inputs.pop(key, None)
+            if last:
+                return
+        self.outputs[key] = output
+
+    def backward(self, key: tuple[int, int]) -> None:
+        """Backward of one chunk and microbatch; all but the chunk's last backward of the step
+        run inside `chunk.no_sync()` (when it has one), so DP grad reductions happen once."""
+        chunk = self._select(key[0])
+        received = self.inputs.pop(key, None)
+        output, grad = self.outputs.pop(key), self.output_grads.pop(key, None)
+        self.backwards[key[0]] += 1
+        no_sync = getattr(chunk, "no_sync", None)
+        last_of_chunk = self.backwards[key[0]] == self.m
+        with contextlib.nullcontext() if last_of_chunk or no_sync is None else no_sync():
+            torch.autograd.backward(output, grad_tensors=grad)
+        if received is not None:
+            self.input_grads[key] = received.grad
+
+    def communicate(self, batch: list[Instruction]) -> None:
+        ops = []
+        for ins in batch:
+            key = (ins.chunk, ins.microbatch)
+            if ins.kind is Kind.SEND_FORWARD:
+                sent = self.outputs.pop(key) if self.forward_only else self.outputs[key]
+                ops.append(("send", sent, ins.peer))
+            elif ins.kind is Kind.SEND_BACKWARD:
+                ops.append(("send", self.input_grads.pop(key), ins.peer))
+            else:
+                ops.append(("recv", None, ins.peer))
+        received = self.channel.exchange(ops)
+        for ins, (_, sent, _), tensor in zip(batch, ops, received):
+            key = (ins.chunk, ins.microbatch)
+            if ins.kind is Kind.SEND_FORWARD and not self.forward_only:
+                free_output(sent)
+            elif ins.kind is Kind.RECV_FORWARD:
+                self.inputs[key] = tensor.requires_grad_(not self.forward_only)
+            elif ins.kind is Kind.RECV_BACKWARD:
+                self.output_grads[key] = tensor
+
+
+def share_losses(losses: list[LossDict], num_microbatches: int,
+                 device: torch.device) -> list[LossDict]:
+    """The last stage's per-microbatch loss dicts (scalar values) on every pipeline rank.
+
+    Two broadcasts from the last stage on the pipeline group: a header (number of keys,
+    bytes of the names), then a uint8 payload: float32 values [m, keys], '\\0'-joined names.
+    """
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if comm.world_size(group) == 1:
+        return losses
+    src = parallel_state.get_pipeline_model_parallel_ranks()[-1]
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    keys = list(losses[0]) if last else []
+    names = torch.tensor(list("\0".join(keys).encode()), dtype=torch.uint8, device=device)
+    header = torch.tensor([len(keys), names.numel()], dtype=torch.int64, device=device)
+    comm.broadcast(header, src, group)
+    num_keys, num_bytes = header.tolist()
+    value_bytes = 4 * num_microbatches * num_keys
+    if last:
+        values = torch.tensor([[float(d[k]) for k in keys] for d in losses], dtype=torch.float32,
+                              device=device)
+        payload = torch.cat([values.reshape(-1).view(torch.uint8), names])
+    else:
+        payload = torch.empty(value_bytes + num_bytes, dtype=torch.uint8, device=device)
+    comm.broadcast(payload, src, group)
+    keys = bytes(payload[value_bytes:].tolist()).decode().split("\0")
+    values = payload[:value_bytes].view(torch.float32).view(num_microbatches, num_keys)
+    return [dict(zip(keys, row.unbind(0))) for row in values]
+
+
+def forward_backward(*, schedule: str, forward_step_func: Callable,
+                     data_iterator: Iterator | list | None, model: nn.Module | list[nn.Module],
+                     num_microbatches: int, seq_length: int, micro_batch_size: int,
+                     forward_only: bool = False, loss_scale: float = 1.0) -> list[LossDict]:
+    """One step of schedule `schedule` ("gpipe", "1f1b", "interleaved") on this rank.
+
+    model: this rank's chunk, or its list of v chunks (interleaved). data_iterator: one
+    iterator (tee'd across chunks) or a list of one per chunk. Inter-stage tensors are
+    [seq_length, micro_batch_size, hidden_size] in the model's parameter dtype.
+    forward_only runs the forwards under no_grad (evaluation). Returns the per-microbatch
+    loss dicts of the last stage on EVERY pipeline rank (`share_losses`), as float32 scalars
+    when PP > 1. Invalid (p, m, v) raise the tables' ValueError before any communication.
+    """
+    chunks = model if isinstance(model, list) else [model]
+    p = parallel_state.get_pipeline_model_parallel_world_size()
+    v = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    table = rank_table(schedule, p, num_microbatches, v,
+                       parallel_state.get_pipeline_model_parallel_rank(), forward_only)
+    if len(chunks) != v:
+        raise ValueError(f"model: expected {v} model chunk(s) on this rank, got {len(chunks)}")
+    param = next(chunks[0].parameters())
+    shape = (seq_length, micro_batch_size, unwrap(chunks[0]).config.hidden_size)
+    run = _Run(forward_step_func, _chunk_iterators(data_iterator, v), chunks, num_microbatches,
+               Channel(shape, param.dtype, param.device), forward_only, loss_scale)
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        for is_compute, group in itertools.groupby(table, lambda ins: ins.kind in COMPUTE):
+            if not is_compute:
+                run.communicate(list(group))
+                continue
+            for ins in group:
+                step = run.forward if ins.kind is Kind.FORWARD else run.backward
+                step((ins.chunk, ins.microbatch))
+    return share_losses(run.losses, num_microbatches, param.device)
