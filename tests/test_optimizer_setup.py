@@ -7,7 +7,7 @@ import torch
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.distributed import DistributedDataParallel
 from megalite.models import GPTModel
-from megalite.optimizer import OptimizerParamScheduler, get_optimizer
+from megalite.optimizer import OptimizerParamScheduler, check_decay_iters, get_optimizer
 from tests.test_dp_common import CONFIG
 
 
@@ -70,6 +70,9 @@ def test_lr_schedule_matches_closed_form(style, expected):
     assert resumed.num_steps == 43 and resumed.get_lr() == scheduler.get_lr()
 
 
-def test_decay_needs_a_length():
+def test_decay_needs_a_length_beyond_the_warm_up():
     with pytest.raises(ValueError, match="--lr-decay-iters"):
         OptimizerParamScheduler.from_config(None, OptimizerConfig(lr_decay_style="cosine"), None)
+    with pytest.raises(ValueError, match="must exceed --lr-warmup-iters"):
+        check_decay_iters("linear", warmup_iters=15, decay_iters=4)
+    assert check_decay_iters("constant", warmup_iters=15, decay_iters=None) is None

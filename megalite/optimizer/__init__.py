@@ -23,7 +23,7 @@ from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.optimizer.distrib_optimizer import DistributedOptimizer
 from megalite.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
-from megalite.optimizer.scheduler import OptimizerParamScheduler
+from megalite.optimizer.scheduler import OptimizerParamScheduler, check_decay_iters
 
 
 def get_optimizer(opt_config: OptimizerConfig, precision: PrecisionConfig,
@@ -46,4 +46,5 @@ def get_optimizer(opt_config: OptimizerConfig, precision: PrecisionConfig,
 
 
 __all__ = ["get_optimizer", "MixedPrecisionOptimizer", "DistributedOptimizer",
-           "OptimizerParamScheduler", "DynamicGradScaler", "ConstantGradScaler"]
+           "OptimizerParamScheduler", "check_decay_iters", "DynamicGradScaler",
+           "ConstantGradScaler"]

@@ -18,16 +18,10 @@ class OptimizerParamScheduler:
 
     def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_iters: int,
                  decay_iters: int | None, decay_style: str) -> None:
-        if decay_style != "constant" and decay_iters is None:
-            raise ValueError(f"--lr-decay-style {decay_style} needs --lr-decay-iters "
-                             "(or --train-iters)")
-        if decay_style != "constant" and decay_iters <= warmup_iters:
-            raise ValueError(f"--lr-decay-iters ({decay_iters}) must exceed --lr-warmup-iters "
-                             f"({warmup_iters})")
         self.optimizer = optimizer
         self.max_lr, self.min_lr = max_lr, min_lr
-        self.warmup_iters, self.decay_iters, self.decay_style = warmup_iters, decay_iters, \
-            decay_style
+        self.decay_iters = check_decay_iters(decay_style, warmup_iters, decay_iters)
+        self.warmup_iters, self.decay_style = warmup_iters, decay_style
         self.num_steps = 0
         self.step(0)
 
@@ -69,3 +63,17 @@ class OptimizerParamScheduler:
     def load_state_dict(self, state: dict) -> None:
         """Resume the step count; the schedule's shape comes from this run's flags."""
         self.step(0, iteration=state["num_steps"])
+
+
+def check_decay_iters(decay_style: str, warmup_iters: int, decay_iters: int | None) -> int | None:
+    """`decay_iters`, or a ValueError (one line, naming the flags) when the schedule has none
+    or decays for no steps. No process groups needed: call it when validating flags."""
+    if decay_style == "constant":
+        return decay_iters
+    if decay_iters is None:
+        raise ValueError(f"--lr-decay-style {decay_style} needs --lr-decay-iters "
+                         "(or --train-iters)")
+    if decay_iters <= warmup_iters:
+        raise ValueError(f"--lr-decay-iters ({decay_iters}, default --train-iters) must exceed "
+                         f"--lr-warmup-iters ({warmup_iters})")
+    return decay_iters
