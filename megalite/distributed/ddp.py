@@ -37,9 +37,9 @@ class DistributedDataParallel(nn.Module):
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for param in params:
             by_dtype.setdefault(param.dtype, []).append(param)
-        self.grad_buffers = [GradBuffer(group, self.data_parallel_group, bucket_size,
+        self.grad_buffers = [GradBuffer(same_dtype, self.data_parallel_group, bucket_size,
                                         use_distributed_optimizer, tied)
-                        for group in by_dtype.values()]
+                             for same_dtype in by_dtype.values()]
         self._bucket_of: dict[nn.Parameter, Bucket] = {
             p: bucket for bucket in self.buckets() for p in bucket.params}
         self._sync = True

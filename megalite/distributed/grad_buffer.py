@@ -50,9 +50,9 @@ class Bucket:
         return data[lo - self.start:hi - self.start]
 
     def grad_ready(self, param: nn.Parameter) -> None:
-        """Called once per backward for each param; the last one launches the reduction."""
+        """Called once per synced backward for each param; the last one launches the reduction."""
         self.pending.discard(param)
-        if not self.pending:
+        if not self.pending and not self.launched:
             self.start_grad_sync()
 
     def start_grad_sync(self) -> None:

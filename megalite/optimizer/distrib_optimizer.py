@@ -8,8 +8,8 @@ this rank steps only the pieces of parameters inside it (one Fragment per piece,
 every bucket's params over DP. Grad statistics (norm, overflow) are reduced over the
 DP group and then the model-parallel group, since each rank sees only its shard.
 """
-from megalite.optimizer.optimizer import Fragment, MixedPrecisionOptimizer
 from megalite.mpu import parallel_state
+from megalite.optimizer.optimizer import Fragment, MixedPrecisionOptimizer
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
