@@ -2,8 +2,8 @@
 
 A tiny GPT (hidden 32, 2 layers, 4 heads, vocabulary 97, sequence 8, dropout off), its
 batches, the wrapped model + optimizer under test, and an independent single-process
-reference: the same GPT (weights do not depend on the layout) trained with plain
-torch AdamW + clip_grad_norm_ on the concatenated batch.
+reference: the same GPT (weights do not depend on the layout) trained with plain torch
+AdamW or SGD + clip_grad_norm_ on the concatenated batch.
 """
 import contextlib
 import functools
@@ -20,6 +20,7 @@ from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel
 from megalite.optimizer import get_optimizer
+from tests.reference import rel_err
 
 VOCAB, SEQ, LR = 97, 8, 1e-3
 CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
@@ -57,13 +58,12 @@ def rank_group(size: int):
 
 
 def build(precision: PrecisionConfig = PrecisionConfig(), group=None,
-          opt: OptimizerConfig | None = None, **ddp) -> tuple[DistributedDataParallel, object]:
+          opt: OptimizerConfig | None = None) -> tuple[DistributedDataParallel, object]:
     """(wrapped whole-model GPT, optimizer) on the current grid; DDP settings from `opt`."""
     opt = opt or opt_config()
     model = DistributedDataParallel(
-        GPTModel(CONFIG, params_dtype=precision.params_dtype),
-        bucket_size=ddp.get("bucket_size", opt.ddp_bucket_size),
-        overlap_grad_reduce=ddp.get("overlap_grad_reduce", opt.overlap_grad_reduce),
+        GPTModel(CONFIG, params_dtype=precision.params_dtype), bucket_size=opt.ddp_bucket_size,
+        overlap_grad_reduce=opt.overlap_grad_reduce,
         use_distributed_optimizer=opt.use_distributed_optimizer, data_parallel_group=group)
     optimizer, _ = get_optimizer(opt, precision, model)
     return model, optimizer
@@ -107,7 +107,11 @@ def full_params(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor
 
 
 class Reference:
-    """Single-process GPT with torch AdamW or SGD (no decay on 1-D params), clip_grad_norm_."""
+    """Single-process GPT with torch AdamW or SGD (no decay on 1-D params), clip_grad_norm_.
+
+    Its layers run on a group of this rank alone, but its cross entropy on parallel_state's
+    TP group: build and run it under a TP = 1 grid.
+    """
 
     def __init__(self, config: OptimizerConfig = opt_config()) -> None:
         self.group = rank_group(1)
@@ -128,9 +132,9 @@ class Reference:
         self.optimizer.zero_grad()
         loss = self.model(tokens[:, :-1], tokens[:, 1:]).mean()
         loss.backward()
-        norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters()]).item()
-        return loss.item(), self._unpadded({n: p.grad for n, p in self.model.named_parameters()}), \
-            norm
+        grads = {n: p.grad for n, p in self.model.named_parameters()}
+        norm = torch.nn.utils.get_total_norm(list(grads.values())).item()
+        return loss.item(), self._unpadded(grads), norm
 
     def step(self) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -148,6 +152,5 @@ class Reference:
 
 def max_rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     """max over names of max|got - want| / max|want|."""
-    from tests.reference import rel_err
     assert got.keys() == want.keys(), set(got) ^ set(want)
     return max(rel_err(got[n], want[n]) for n in want)

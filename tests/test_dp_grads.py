@@ -21,13 +21,16 @@ from tests.test_dp_common import (Reference, batches, build, compute_grads, full
                                   init_grid, local_slice, max_rel_err, opt_config, rank_group)
 
 STEPS, GLOBAL_BATCH = 3, 16
-SGD = opt_config(optimizer="sgd", lr=0.1)
+
+
+def _sgd(**kw):
+    return opt_config(optimizer="sgd", lr=0.1, **kw)
 
 
 def _parity(dp: int, microbatches: int) -> dict[str, float]:
     group = rank_group(dp)
-    model, optimizer = build(group=group, opt=SGD)
-    ref = Reference(SGD)
+    model, optimizer = build(group=group, opt=_sgd())
+    ref = Reference(_sgd())
     errors = {"grad": 0.0, "param": 0.0}
     for tokens in batches(STEPS, GLOBAL_BATCH):
         _, ref_grads, _ = ref.grads(tokens)
@@ -39,11 +42,11 @@ def _parity(dp: int, microbatches: int) -> dict[str, float]:
     return errors
 
 
-def _recorded_run(**ddp) -> tuple[list[str], dict, dict, int]:
+def _recorded_run(**ddp_flags) -> tuple[list[str], dict, dict, int]:
     """(events in order: "grad" per param hook, "launch" per all-reduce on the DP group; main
     grads, params after one step, bucket count)."""
     group = rank_group(4)
-    model, optimizer = build(group=group, opt=SGD, **ddp)
+    model, optimizer = build(group=group, opt=_sgd(**ddp_flags))
     events = []
     for param in model.parameters():
         param.register_post_accumulate_grad_hook(lambda _: events.append("grad"))
@@ -65,8 +68,8 @@ def _recorded_run(**ddp) -> tuple[list[str], dict, dict, int]:
 
 def _bucketing() -> dict:
     _, grads, params, one = _recorded_run()
-    events, many_grads, many_params, many = _recorded_run(bucket_size=1000)
-    off_events, off_grads, off_params, _ = _recorded_run(bucket_size=1000,
+    events, many_grads, many_params, many = _recorded_run(ddp_bucket_size=1000)
+    off_events, off_grads, off_params, _ = _recorded_run(ddp_bucket_size=1000,
                                                          overlap_grad_reduce=False)
     return {"buckets": (one, many), "launches": events.count("launch"),
             "grads_after_first_launch": events[events.index("launch"):].count("grad"),

@@ -14,10 +14,10 @@ second halves it, and after 3 clean steps it doubles back.
 import torch
 
 from megalite.config import PrecisionConfig
+from megalite.mpu import parallel_state as ps
 from megalite.optimizer import DynamicGradScaler
 from tests.multirank import run_on_ranks
 from tests.test_dp_common import batches, build, init_grid, local_slice, opt_config, train_step
-from megalite.mpu import parallel_state as ps
 
 INITIAL = 2.0 ** 10
 PRECISION = PrecisionConfig(fp16=True, initial_loss_scale=INITIAL, hysteresis=2,
