@@ -128,6 +128,8 @@ class TrainConfig:
         None, "sequences per step (default: micro x DP); micro x DP x microbatches")
     seq_length: int = arg(256, "tokens per sequence")
     train_iters: int = arg(200, "optimizer steps")
+    exit_interval: int | None = arg(None, "stop (after saving, with --save) once the iteration "
+                                    "is a multiple of this; resume later with --load")
     eval_interval: int = arg(100, "evaluate every N steps")
     eval_iters: int = arg(10, "microbatch-steps per evaluation")
     log_interval: int = arg(10, "log every N steps")

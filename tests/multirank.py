@@ -11,8 +11,8 @@ is killed and the test fails naming them. The next task starts a fresh pool.
 """
 import multiprocessing as mp
 import os
-import socket
 import sys
+import tempfile
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -20,20 +20,14 @@ from multiprocessing.connection import wait
 TASK_TIMEOUT_S = float(os.environ.get("MEGALITE_TEST_TIMEOUT", 300))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, conn, sys_path: list[str]) -> None:
+def _worker(rank: int, world_size: int, store_file: str, conn, sys_path: list[str]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     import torch
     torch.set_num_threads(1)
     from megalite.device import init_distributed
     from megalite.mpu import parallel_state
-    init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s=TASK_TIMEOUT_S)
+    init_distributed(rank, world_size, f"file://{store_file}", timeout_s=TASK_TIMEOUT_S)
     while (task := conn.recv()) is not None:
         fn, args, kwargs = task
         try:
@@ -50,12 +44,13 @@ class RankPool:
 
     def __init__(self, world_size: int) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        # A file store needs no free port, so concurrent test runs cannot collide.
+        store_file = tempfile.mktemp(prefix=f"megalite_pool{world_size}_")
         self.world_size = world_size
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, world_size, port, child, sys.path),
+            proc = ctx.Process(target=_worker, args=(rank, world_size, store_file, child, sys.path),
                                daemon=True)
             proc.start()
             self.conns.append(parent)
