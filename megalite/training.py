@@ -26,6 +26,7 @@ from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import pad_vocab_size
 from megalite.optimizer import get_optimizer
+from megalite.optimizer.scheduler import check_decay_iters
 from megalite.schedules import get_forward_backward_func
 
 
@@ -73,6 +74,8 @@ def validate_configs(configs: Configs, world_size: int) -> RunShape:
                          f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})")
     for prefix in parse_data_path(configs.data.data_path)[1] if configs.data.data_path else []:
         IndexedDataset(prefix)  # missing, truncated or foreign files fail here, with the name
+    o = configs.optimizer
+    check_decay_iters(o.lr_decay_style, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters)
     microbatches = global_batch // (t.micro_batch_size * dp)
     if p.virtual_pipeline_model_parallel_size and microbatches % p.pipeline_model_parallel_size:
         raise ValueError(f"interleaved schedule: microbatches per step ({microbatches} = "

@@ -27,7 +27,7 @@ def tiny_args(prefix: str, save: str, iters: int, *extra: str) -> list[str]:
             "--max-position-embeddings", "16", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-iters", str(iters), "--eval-interval", "0",
             "--log-interval", "1000", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
-            "--lr-warmup-iters", "2", "--save", save, "--data-cache-dir",
+            "--lr-warmup-iters", "1", "--save", save, "--data-cache-dir",
             os.path.join(os.path.dirname(prefix), "cache"), *extra]
 
 

@@ -20,7 +20,7 @@ from megalite.mpu import parallel_state as ps
 from megalite.optimizer import get_optimizer
 from megalite.schedules import get_forward_backward_func
 from tests.multirank import run_on_ranks
-from tests.test_dp_common import (CONFIG, SEQ, Reference, batches, init_grid, local_slice,
+from tests.dp_reference import (CONFIG, SEQ, Reference, batches, init_grid, local_slice,
                                   opt_config)
 
 GLOBAL_BATCH, MICROBATCHES = 8, 2

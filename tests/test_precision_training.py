@@ -15,7 +15,7 @@ from megalite.config import PrecisionConfig
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import OptimizerParamScheduler
 from tests.multirank import run_on_ranks
-from tests.test_dp_common import (SEQ, VOCAB, build, compute_grads, init_grid, local_slice,
+from tests.dp_reference import (SEQ, VOCAB, build, compute_grads, init_grid, local_slice,
                                   opt_config)
 
 STEPS, GLOBAL_BATCH = 20, 16
