@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from megalite.models.sharding import unwrap
 from megalite.mpu import comm, parallel_state
 from megalite.schedules.p2p import Channel
 from megalite.schedules.tables import COMPUTE, Instruction, Kind, build_schedule
@@ -37,13 +38,6 @@ def rank_table(schedule: str, p: int, m: int, v: int, rank: int,
     the remaining forwards are unchanged, so the batching rule stays deadlock-free)."""
     table = build_schedule(schedule, p, m, v)[rank]
     return tuple(ins for ins in table if not (forward_only and ins.kind in BACKWARD_KINDS))
-
-
-def unwrap(chunk: nn.Module) -> nn.Module:
-    """The model inside wrappers that keep it as `.module` (data-parallel buffers)."""
-    while not hasattr(chunk, "set_input_tensor") and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def free_output(tensor: torch.Tensor) -> None:
