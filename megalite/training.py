@@ -116,8 +116,10 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
 
 
 def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list, optimizer,
-               configs: Configs, shape: RunShape) -> tuple[float, bool, float | None]:
-    """One optimizer step over all microbatches: (mean loss on every rank, stepped, grad norm)."""
+               configs: Configs, shape: RunShape, loss_key: str = "lm loss"
+               ) -> tuple[float, bool, float | None]:
+    """One optimizer step over all microbatches: (mean `loss_key` value on every rank, stepped,
+    grad norm)."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -130,44 +132,62 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
         chunk.finish_grad_sync()
     allreduce_shared_embedding_grads(model)
     stepped, grad_norm = optimizer.step()
-    return _mean_over_data_parallel(losses), stepped, grad_norm
+    return _mean_over_data_parallel(losses, loss_key), stepped, grad_norm
 
 
-def _mean_over_data_parallel(losses: list[dict]) -> float:
-    """Mean 'lm loss' over this step's microbatches and the DP group (visible on every rank)."""
-    value = torch.stack([d["lm loss"].float().reshape(()) for d in losses]).mean().reshape(1)
+def _mean_over_data_parallel(losses: list[dict], key: str) -> float:
+    """Mean `key` value over this step's microbatches and the DP group (visible on every rank)."""
+    value = torch.stack([d[key].float().reshape(()) for d in losses]).mean().reshape(1)
     value = value.to(device.current_device())
     comm.all_reduce(value, ps.get_data_parallel_group())
     return value.item() / ps.get_data_parallel_world_size()
 
 
+def _sum_over_data_parallel(losses: list[dict]) -> dict[str, float]:
+    """Every loss-dict value summed over this step's microbatches and the DP group."""
+    keys = list(losses[0])
+    sums = torch.stack([torch.stack([d[k].float().reshape(()) for k in keys])
+                        for d in losses]).sum(0).to(device.current_device())
+    comm.all_reduce(sums, ps.get_data_parallel_group())
+    return dict(zip(keys, sums.tolist()))
+
+
 @torch.no_grad()
 def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list,
-             configs: Configs, shape: RunShape) -> float:
-    """Mean validation loss over `eval_iters` forward-only steps."""
+             configs: Configs, shape: RunShape, iters: int | None = None) -> dict[str, float]:
+    """Every loss-dict value summed over `iters` (default --eval-iters) forward-only steps,
+    their microbatches and the DP group: divide by iters x microbatches x DP for a mean, or
+    return counts (e.g. correct predictions) to sum them exactly."""
     for chunk in model:
         chunk.eval()
-    losses = []
-    for _ in range(configs.train.eval_iters):
-        losses.append(_mean_over_data_parallel(get_forward_backward_func(configs.parallel.pipeline_schedule)(
+    totals: dict[str, float] = {}
+    for _ in range(configs.train.eval_iters if iters is None else iters):
+        losses = get_forward_backward_func(configs.parallel.pipeline_schedule)(
             forward_step_func=forward_step_func, data_iterator=data_iterator,
             model=model if len(model) > 1 else model[0], num_microbatches=shape.num_microbatches,
             seq_length=configs.train.seq_length, micro_batch_size=configs.train.micro_batch_size,
-            forward_only=True)))
+            forward_only=True)
+        for key, value in _sum_over_data_parallel(losses).items():
+            totals[key] = totals.get(key, 0.0) + value
     for chunk in model:
         chunk.train()
-    return sum(losses) / len(losses)
+    return totals
 
 
 class TrainingLogger:
-    """Megatron-style log lines: loss, lr, grad norm, loss scale, tokens/s, TFLOP/s, memory."""
+    """Megatron-style log lines: loss, lr, grad norm, loss scale, tokens/s, TFLOP/s, memory.
 
-    def __init__(self, configs: Configs, shape: RunShape) -> None:
-        self.configs, self.shape = configs, shape
+    `loss_key` names the logged loss; `flops` is the model FLOPs of one iteration (default:
+    a language model's, whose output layer spans the padded vocabulary).
+    """
+
+    def __init__(self, configs: Configs, shape: RunShape, loss_key: str = "lm loss",
+                 flops: float | None = None) -> None:
+        self.configs, self.shape, self.loss_key = configs, shape, loss_key
         padded = pad_vocab_size(configs.model.vocab_size, configs.model.make_vocab_size_divisible_by,
                                 configs.parallel.tensor_model_parallel_size)
-        self.flops = flops_per_iteration(configs.model, shape.global_batch_size,
-                                         configs.train.seq_length, padded)
+        self.flops = flops if flops is not None else flops_per_iteration(
+            configs.model, shape.global_batch_size, configs.train.seq_length, padded)
         self.losses: list[float] = []
         self.skipped = 0
         self.start = time.time()
@@ -185,7 +205,7 @@ class TrainingLogger:
         self.losses.append(loss)
         self.skipped += not stepped
         if self.writer:
-            self.writer.add_scalar("lm loss", loss, iteration)
+            self.writer.add_scalar(self.loss_key, loss, iteration)
             self.writer.add_scalar("learning rate", lr, iteration)
         if iteration % self.configs.train.log_interval and iteration != self.configs.train.train_iters:
             return
@@ -193,7 +213,7 @@ class TrainingLogger:
         tokens = self.shape.global_batch_size * self.configs.train.seq_length / elapsed
         tflops = self.flops / elapsed / dist.get_world_size() / 1e12
         parts = [f"iteration {iteration:6d}/{self.configs.train.train_iters:6d}",
-                 f"lm loss {sum(self.losses) / len(self.losses):.4E}", f"lr {lr:.3E}",
+                 f"{self.loss_key} {sum(self.losses) / len(self.losses):.4E}", f"lr {lr:.3E}",
                  f"grad norm {grad_norm:.3f}" if grad_norm is not None else "grad norm n/a"]
         if self.configs.precision.fp16:
             parts.append(f"loss scale {loss_scale:.1f}")
@@ -261,7 +281,8 @@ def pretrain(configs: Configs, model_provider: Callable, forward_step_func: Call
         logger.step(iteration, loss, stepped, grad_norm, scheduler.get_lr(), optimizer.loss_scale)
         if valid_iter is not None and t.eval_interval and (
                 iteration % t.eval_interval == 0 or iteration == t.train_iters):
-            val = evaluate(forward_step_func, valid_iter, model, configs, shape)
+            val = evaluate(forward_step_func, valid_iter, model, configs, shape)["lm loss"] / (
+                t.eval_iters * shape.num_microbatches * shape.data_parallel_size)
             log(f"validation at iteration {iteration} | lm loss {val:.4E} | "
                 f"perplexity {math.exp(min(20.0, val)):.3f}")
         exiting = bool(t.exit_interval) and iteration % t.exit_interval == 0
