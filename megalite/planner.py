@@ -1,0 +1,278 @@
+"""Closed-form plan of a GPT training layout: memory per rank, FLOPs, bubble, communication.
+
+The formulas are Megatron-LM's (REFERENCES.md): bytes per parameter of the model state
+(plain vs distributed optimizer), activations per layer after Korthikanti et al. 2022
+(generalised to e-byte activations: masks stay 1 byte, so 2-byte sbh(34 + 5as/h) becomes
+sbh(16e + 2 + (2e + 1)as/h)), the in-flight microbatches of the pipeline schedule,
+Narayanan et al. 2021's FLOPs and bubble, and the bytes the TP, PP and DP collectives
+move. Byte counts are "payload" (the tensors handed to a collective, what
+`megalite.mpu.comm` counts) and "wire" (what one rank sends on a ring: an all-reduce of
+S bytes over n ranks sends 2(n-1)/n S, a reduce-scatter of S (n-1)/n S, an all-gather of
+shards of S (n-1) S, a point-to-point message its size).
+"""
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from megalite.config import Configs, ModelConfig
+from megalite.metrics import flops_per_iteration
+from megalite.mpu.layers import pad_vocab_size
+
+# Megatron's bytes per parameter: (parameters, gradients, optimizer states); the distributed
+# optimizer shards the optimizer states (fp32 main params, fp16's fp32 main grads, Adam m, v).
+STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 2, 16)}
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+LOSS_BYTES = 4  # logits, softmax and cross-entropy all-reduces are fp32 whatever the precision
+
+
+def precision_name(configs: Configs) -> str:
+    return "bf16" if configs.precision.bf16 else "fp16" if configs.precision.fp16 else "fp32"
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of the model state on one rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def state_bytes_per_param(precision: str, distributed_optimizer: bool, dp: int) -> StateBytes:
+    """fp16 20 vs 4 + 16/d, bf16 18 vs 6 + 12/d, fp32 16 vs 8 + 8/d (Megatron's table)."""
+    params, grads, optimizer = STATE_BYTES[precision]
+    return StateBytes(params, grads, optimizer / dp if distributed_optimizer else optimizer)
+
+
+def layer_params(model: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank: QKV, projection and MLP weights and
+    their split biases, plus the replicated projection/MLP-output biases and two LayerNorms."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    return (4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h
+
+
+def stage_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int) -> int:
+    """Parameters on pipeline rank `rank` (all its chunks): its L/p layers, the word and
+    position embeddings on the first rank, the final LayerNorm and (p > 1) the tied
+    word-embedding copy on the last."""
+    count = model.num_layers // pp * layer_params(model, tp)
+    word = padded_vocab * model.hidden_size // tp
+    if rank == 0:
+        count += word + model.max_position_embeddings * model.hidden_size
+    if rank == pp - 1:
+        count += 2 * model.hidden_size + (word if pp > 1 else 0)
+    return count
+
+
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int, act_bytes: int,
+                               recompute: str | None, sequence_parallel: bool = False) -> float:
+    """Bytes one layer keeps for backward per microbatch on one TP rank (Korthikanti et al.):
+    sbh(10 + 24/t + 5as/(ht)) at e = 2 without recompute, sbh(10 + 24/t) selective, 2sbh
+    full (the layer input); sequence parallelism also splits the first term (and the input)."""
+    e, sbh = act_bytes, s * b * h
+    split = tp if sequence_parallel else 1
+    if recompute == "full":
+        return e * sbh / split
+    per_layer = (4 * e + 2) * sbh / split + 12 * e * sbh / tp
+    if recompute is None:
+        per_layer += (2 * e + 1) * a * s * s * b / tp
+    return per_layer
+
+
+def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> Fraction:
+    """Microbatches (in whole-stage units) whose activations rank `rank` holds at its peak:
+    GPipe m; 1F1B min(p - r, m); interleaved min(2(p-r-1) + (v-1)p + 1, m v) / v chunks,
+    p (1 + (p-1)/(p v)) on rank 0 (Megatron's interleaving penalty)."""
+    if schedule == "gpipe":
+        return Fraction(m)
+    if schedule == "interleaved":
+        return Fraction(min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v), v)
+    return Fraction(min(p - rank, m))
+
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> Fraction:
+    """Idle over compute time: (p-1)/m, and (p-1)/(v m) interleaved."""
+    return Fraction(p - 1, v * m)
+
+
+def ring_wire(kind: str, payload: float, n: int) -> float:
+    """Bytes one rank sends on a ring for a collective given `payload` bytes on each of n ranks
+    (for an all-gather the payload is the local shard, as `megalite.mpu.comm` counts it)."""
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "all_gather": n - 1, "send": 1}[kind]
+    return factor * payload
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Peak bytes on one rank of a pipeline stage."""
+
+    params: int                 # parameter count
+    state: StateBytes           # bytes per parameter
+    inflight: Fraction          # microbatches held at the peak (whole-stage units)
+    layer_activations: float    # stored by the rank's layers, all in-flight microbatches
+    extra_activations: float    # embedding dropout mask / final LayerNorm, LM head and logits
+    recompute_working: float    # what the backward of one recomputed group adds transiently
+
+    @property
+    def activations(self) -> float:
+        return self.layer_activations + self.extra_activations + self.recompute_working
+
+    @property
+    def total(self) -> float:
+        return self.params * self.state.total + self.activations
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `plan` derives from one set of configs; stages are "first" and "last"."""
+
+    configs: Configs
+    precision: str
+    sequence_parallel: bool
+    schedule: str               # "1f1b", "gpipe" or "interleaved"
+    padded_vocab: int
+    dp: int
+    microbatches: int           # per step per DP rank
+    global_batch: int
+    stages: dict[str, StageMemory]
+
+    @property
+    def gpus(self) -> int:
+        p = self.configs.parallel
+        return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * self.dp
+
+    @property
+    def total_params(self) -> int:
+        model, h = self.configs.model, self.configs.model.hidden_size
+        return (model.num_layers * layer_params(model, 1) + self.padded_vocab * h
+                + model.max_position_embeddings * h + 2 * h)
+
+    @property
+    def flops(self) -> float:
+        """Megatron's FLOPs per step (megalite.metrics; the 96 form with full recompute)."""
+        return flops_per_iteration(self.configs.model, self.global_batch,
+                                   self.configs.train.seq_length, self.padded_vocab)
+
+    @property
+    def bubble(self) -> Fraction:
+        p = self.configs.parallel
+        return bubble_fraction(p.pipeline_model_parallel_size, self.microbatches,
+                               p.virtual_pipeline_model_parallel_size or 1)
+
+    def step_time(self, peak_tflops: float, mfu: float) -> float:
+        """Seconds per step if every GPU sustains `mfu` of `peak_tflops` on `flops`."""
+        return self.flops / (self.gpus * peak_tflops * 1e12 * mfu)
+
+    def comm(self, stage: str) -> dict[str, tuple[str, float, int]]:
+        """Per step on one rank of `stage`: name -> (collective kind, payload bytes, group size).
+
+        TP: per microbatch 2 all-reduces of b s h in forward and 2 in backward per layer (2 more
+        forward with full recompute), the embedding's forward and the LM head's backward
+        all-reduce of b s h, and cross entropy's 3 fp32 all-reduces of s b. PP: b s h per
+        microbatch per boundary each way (v times the messages interleaved). DP: the grads
+        all-reduced, or reduce-scattered and the params all-gathered (distributed optimizer),
+        and the tied word embedding's grad all-reduced between first and last stage.
+        """
+        model, t, par = self.configs.model, self.configs.train, self.configs.parallel
+        tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        v = par.virtual_pipeline_model_parallel_size or 1
+        first, last = stage == "first" or pp == 1, stage == "last" or pp == 1
+        e, (_, grad_bytes, _) = ACTIVATION_BYTES[self.precision], STATE_BYTES[self.precision]
+        sb = t.seq_length * t.micro_batch_size
+        m, sbh, params = self.microbatches, sb * model.hidden_size, self.stages[stage].params
+        out = {}
+        if tp > 1:
+            per_layer = (4 + 2 * (model.recompute_granularity == "full")) * sbh * e
+            per_microbatch = (model.num_layers // pp * per_layer + (first + last) * sbh * e
+                              + last * 3 * sb * LOSS_BYTES)
+            out["TP all-reduce"] = ("all_reduce", m * per_microbatch, tp)
+        if pp > 1:  # forwards to the next stage and grads to the previous, per chunk
+            out["PP send"] = ("send", m * (2 * v - (first or last)) * sbh * e, 2)
+        if self.dp > 1 and self.configs.optimizer.use_distributed_optimizer:
+            out["DP grad reduce-scatter"] = ("reduce_scatter", params * grad_bytes, self.dp)
+            out["DP param all-gather"] = ("all_gather", params * e / self.dp, self.dp)
+        elif self.dp > 1:
+            out["DP grad all-reduce"] = ("all_reduce", params * grad_bytes, self.dp)
+        if pp > 1:
+            word = self.padded_vocab * model.hidden_size // tp
+            out["tied embedding grad all-reduce"] = ("all_reduce", word * grad_bytes, 2)
+        return out
+
+
+def _extras(configs: Configs, act_bytes: int, tp: int, sp: bool, padded_vocab: int,
+            first: bool, last: bool, embedding_inflight: int, logits_inflight: int) -> float:
+    """Activations outside the layers: the embedding's 1-byte dropout mask per in-flight
+    microbatch on the first stage; the final LayerNorm's and LM head's inputs and the fp32
+    logits (s b V/t) of the microbatches between forward and backward on the last."""
+    s, b, h = configs.train.seq_length, configs.train.micro_batch_size, configs.model.hidden_size
+    split = tp if sp else 1
+    extra = 0.0
+    if first:
+        extra += embedding_inflight * s * b * h / split
+    if last:
+        extra += logits_inflight * (2 * act_bytes * s * b * h / split
+                                    + LOSS_BYTES * s * b * padded_vocab / tp)
+    return extra
+
+
+def _layer_stack(configs: Configs, layers_per_chunk: int, act_bytes: int, tp: int,
+                 sp: bool) -> tuple[float, float]:
+    """(bytes one microbatch leaves in a chunk until its backward, bytes the backward of one
+    recomputed group adds at its peak) for megalite's recompute modes.
+
+    Full: a group re-creates all its layers' activations. Selective: one layer's attention
+    core re-creates its s^2 terms after that layer's backward has freed its MLP and
+    output-projection activations (MLP input, GeLU in/out, LayerNorm-2 input, two dropout
+    masks: (2e + 2) sbh replicated + 9e sbh split over TP).
+    """
+    model, t = configs.model, configs.train
+    per = lambda mode: activation_bytes_per_layer(  # noqa: E731
+        t.seq_length, t.micro_batch_size, model.hidden_size, model.num_attention_heads, tp,
+        act_bytes, mode, sp)
+    mode, n = model.recompute_granularity, model.recompute_num_layers
+    if mode is None:
+        return layers_per_chunk * per(None), 0.0
+    if mode == "selective":
+        sbh, e = t.seq_length * t.micro_batch_size * model.hidden_size, act_bytes
+        freed = (2 * e + 2) * sbh / (tp if sp else 1) + 9 * e * sbh / tp
+        return layers_per_chunk * per(mode), max(0.0, per(None) - per(mode) - freed)
+    group = min(n, layers_per_chunk)
+    if model.recompute_method == "uniform":
+        return math.ceil(layers_per_chunk / n) * per("full"), group * per(None)
+    return per("full") + (layers_per_chunk - group) * per(None), group * per(None)
+
+
+def plan(configs: Configs, sequence_parallel: bool = False) -> Plan:
+    """The plan of `configs`, checked as `megalite.training.validate_configs` checks a world
+    of TP x PP x DP ranks (DP defaults to 1). `sequence_parallel` (Megatron's, not in
+    megalite) splits the LayerNorm/dropout activations over TP too."""
+    from megalite.training import validate_configs  # heavy import, only when planning
+    par = configs.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    v = par.virtual_pipeline_model_parallel_size or 1
+    dp = par.data_parallel_size or 1
+    shape = validate_configs(configs, tp * pp * dp)
+    m = shape.num_microbatches
+    schedule = "interleaved" if v > 1 else par.pipeline_schedule if pp > 1 else "1f1b"
+    precision = precision_name(configs)
+    e = ACTIVATION_BYTES[precision]
+    padded_vocab = pad_vocab_size(configs.model.vocab_size,
+                                  configs.model.make_vocab_size_divisible_by, tp)
+    state = state_bytes_per_param(precision, configs.optimizer.use_distributed_optimizer, dp)
+    stored, working = _layer_stack(configs, configs.model.num_layers // (pp * v), e, tp,
+                                   sequence_parallel)
+    gpipe = schedule == "gpipe"
+    stages = {}
+    for name, rank in (("first", 0), ("last", pp - 1)):
+        inflight = inflight_microbatches(schedule, pp, m, v, rank)
+        extras = _extras(configs, e, tp, sequence_parallel, padded_vocab, rank == 0,
+                         rank == pp - 1, m if gpipe else min(pp, m), m if gpipe else 1)
+        stages[name] = StageMemory(stage_params(configs.model, padded_vocab, tp, pp, rank),
+                                   state, inflight, float(inflight * v * stored), extras, working)
+    return Plan(configs, precision, sequence_parallel, schedule, padded_vocab, dp, m,
+                shape.global_batch_size, stages)

@@ -1,0 +1,160 @@
+"""megalite.planner against hand-computed closed forms, the schedule tables and real models."""
+from fractions import Fraction
+
+import pytest
+
+from megalite import planner
+from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig, OptimizerConfig,
+                             ParallelConfig, PrecisionConfig, TrainConfig)
+from megalite.metrics import flops_per_iteration
+from megalite.models import GPTModel
+from megalite.mpu import initialize_model_parallel
+from megalite.mpu.layers import pad_vocab_size
+from megalite.schedules.accounting import bubble_fraction, peak_inflight_microbatches
+from megalite.schedules.tables import build_schedule
+from tests.multirank import run_on_ranks
+
+GIB = 2 ** 30
+
+
+def configs(layers=4, hidden=64, heads=4, vocab=1000, seq=32, tp=1, pp=1, vpp=None, dp=1,
+            micro=2, batch=None, precision="bf16", recompute=None, distributed=False,
+            schedule="1f1b") -> Configs:
+    return Configs(
+        ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                    vocab_size=vocab, max_position_embeddings=seq,
+                    recompute_granularity=recompute),
+        ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                       virtual_pipeline_model_parallel_size=vpp, data_parallel_size=dp,
+                       pipeline_schedule=schedule),
+        PrecisionConfig(bf16=precision == "bf16", fp16=precision == "fp16"),
+        OptimizerConfig(use_distributed_optimizer=distributed),
+        TrainConfig(micro_batch_size=micro, global_batch_size=batch, seq_length=seq),
+        DataConfig(), CheckpointConfig())
+
+
+@pytest.mark.parametrize("d", [1, 2, 8, 64])
+def test_bytes_per_parameter_follow_megatrons_table(d):
+    table = {"fp16": (20, 4 + 16 / d), "bf16": (18, 6 + 12 / d), "fp32": (16, 8 + 8 / d)}
+    for precision, (plain, sharded) in table.items():
+        assert planner.state_bytes_per_param(precision, False, d).total == plain
+        assert planner.state_bytes_per_param(precision, True, d).total == pytest.approx(sharded)
+
+
+def test_activations_per_layer_follow_korthikanti():
+    s, b, h, a, t = 64, 2, 128, 8, 4
+    sbh = s * b * h
+    per = planner.activation_bytes_per_layer
+    assert per(s, b, h, a, 1, 2, None) == sbh * (34 + 5 * a * s / h)
+    assert per(s, b, h, a, t, 2, None) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    assert per(s, b, h, a, t, 2, "selective") == sbh * (10 + 24 / t)
+    assert per(s, b, h, a, t, 2, None, True) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert per(s, b, h, a, t, 2, "selective", True) == pytest.approx(34 * sbh / t)
+    assert per(s, b, h, a, t, 2, "full") == 2 * sbh
+    # 4-byte activations: every 2-byte term doubles, the 1-byte dropout masks do not
+    assert per(s, b, h, a, 1, 4, None) == sbh * (66 + 9 * a * s / h)
+    assert per(s, b, h, a, 1, 4, "full") == 4 * sbh
+
+
+CASES = [(name, p, m, v) for p in (2, 3, 4) for m in (p, 2 * p, 3 * p)
+         for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in CASES])
+def test_inflight_microbatches_and_bubble_match_the_schedule_tables(case):
+    name, p, m, v = case
+    table = build_schedule(name, p, m, v)
+    for rank in range(p):
+        assert planner.inflight_microbatches(name, p, m, v, rank) == \
+            peak_inflight_microbatches(table, rank)
+    assert planner.bubble_fraction(p, m, v) == Fraction(p - 1, v * m) == bubble_fraction(table)
+
+
+def test_interleaving_penalty_on_stage_zero():
+    p, v, m = 8, 4, 64
+    assert planner.inflight_microbatches("interleaved", p, m, v) == \
+        p * (1 + Fraction(p - 1, p * v))
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_flops_are_megatrons_formula(recompute):
+    c = configs(layers=4, hidden=64, vocab=1000, seq=32, micro=2, batch=8, dp=2,
+                recompute=recompute)
+    B, s, L, h, V = 8, 32, 4, 64, 1024  # vocabulary padded to a multiple of 128
+    if recompute == "full":
+        want = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    else:
+        want = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    got = planner.plan(c).flops
+    assert got == pytest.approx(want) and got == flops_per_iteration(c.model, B, s, V)
+
+
+def test_stage_memory_is_state_plus_inflight_activations_plus_extras():
+    c = configs(layers=8, pp=4, micro=2, batch=16, precision="bf16", recompute="selective")
+    s, b, h, V = 32, 2, 64, 1024
+    sbh = s * b * h
+    p = planner.plan(c)
+    first, last = p.stages["first"], p.stages["last"]
+    # stage 0 holds p = 4 microbatches of its 2 layers, each 34 sbh, and 4 embedding masks
+    layer = 2 * (12 * h * h + 13 * h)  # 2 layers of 12h^2 + 13h parameters
+    assert first.params == layer + V * h + s * h
+    assert last.params == layer + 2 * h + V * h
+    assert first.total == first.params * 18 + 4 * 2 * 34 * sbh + 4 * sbh
+    # the last stage holds one microbatch plus LayerNorm/LM-head inputs and fp32 logits
+    assert last.total == last.params * 18 + 2 * 34 * sbh + 2 * 2 * sbh + 4 * s * b * V
+
+
+def test_recompute_working_set():
+    s, b, h, a = 256, 2, 64, 4  # a s / h = 16: the attention core outweighs what is freed first
+    sbh = s * b * h
+    selective = planner.plan(configs(hidden=h, heads=a, seq=s, micro=b, recompute="selective"))
+    assert selective.stages["first"].recompute_working == (5 * 16 - (2 * 2 + 2 + 9 * 2)) * sbh
+    full = planner.plan(configs(hidden=h, heads=a, seq=s, micro=b, recompute="full"))
+    assert full.stages["first"].recompute_working == (34 + 5 * 16) * sbh  # one layer, whole
+    assert full.stages["first"].layer_activations == 4 * 2 * sbh  # the 4 layers' inputs
+
+
+def test_comm_volumes_per_step():
+    c = configs(layers=4, tp=2, pp=2, dp=4, micro=2, batch=32, precision="bf16")
+    p, m = planner.plan(c), 4
+    sbh, sb = 32 * 2 * 64, 32 * 2
+    first, last = p.comm("first"), p.comm("last")
+    assert first["TP all-reduce"] == ("all_reduce", m * (2 * 4 * sbh * 2 + sbh * 2), 2)
+    assert last["TP all-reduce"] == ("all_reduce", m * (2 * 4 * sbh * 2 + sbh * 2 + 3 * sb * 4),
+                                     2)
+    assert first["PP send"] == last["PP send"] == ("send", m * sbh * 2, 2)
+    assert first["DP grad all-reduce"] == ("all_reduce", p.stages["first"].params * 4, 4)
+    assert planner.ring_wire("all_reduce", 1000, 4) == 1500
+    assert planner.ring_wire("reduce_scatter", 1000, 4) == 750
+
+
+def test_gpt3_175b_fits_80gb_with_tp8_pp16_selective_distributed_but_not_alone():
+    gpt3 = dict(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048, micro=1,
+                precision="bf16", recompute="selective")
+    parallel = planner.plan(configs(**gpt3, tp=8, pp=16, dp=8, batch=1536, distributed=True))
+    assert max(s.total for s in parallel.stages.values()) < 80 * GIB
+    alone = planner.plan(configs(**gpt3, batch=1))
+    assert alone.stages["first"].total > 80 * GIB
+    assert alone.total_params == pytest.approx(175e9, rel=0.01)
+
+
+def test_stage_params_equal_a_real_model():
+    c = configs(layers=4, pp=2)
+    padded = 1024
+    for rank, (pre, post, layers) in enumerate([(True, False, (0, 2)), (False, True, (2, 4))]):
+        model = GPTModel(c.model, pre, post, layer_range=layers)
+        assert planner.stage_params(c.model, padded, 1, 2, rank) == \
+            sum(q.numel() for q in model.parameters())
+
+
+def _tp_params(tp: int) -> tuple[int, int]:
+    initialize_model_parallel(tp, 1)
+    model = GPTModel(configs(layers=2).model)
+    return sum(q.numel() for q in model.parameters()), pad_vocab_size(1000, 128, tp)
+
+
+def test_tp_stage_params_equal_a_real_model():
+    c = configs(layers=2)
+    for count, padded in run_on_ranks(2, _tp_params, 2):
+        assert count == planner.stage_params(c.model, padded, 2, 1, 0)
+
