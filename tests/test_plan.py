@@ -1,5 +1,7 @@
 """megalite.planner against hand-computed closed forms, the schedule tables and real models."""
+import importlib.util
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +160,16 @@ def test_tp_stage_params_equal_a_real_model():
     for count, padded in run_on_ranks(2, _tp_params, 2):
         assert count == planner.stage_params(c.model, padded, 2, 1, 0)
 
+
+def test_plan_tool_prints_a_plan(capsys):
+    path = Path(__file__).resolve().parents[1] / "tools" / "plan.py"
+    spec = importlib.util.spec_from_file_location("plan_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+               "--vocab-size", "51200", "--seq-length", "2048", "--tp", "8", "--pp", "16",
+               "--dp", "8", "--micro-batch-size", "1", "--global-batch-size", "1536", "--bf16",
+               "--recompute-granularity", "selective", "--use-distributed-optimizer",
+               "--peak-tflops", "312", "--mfu", "0.5"])
+    out = capsys.readouterr().out
+    assert "fits 80 GiB: yes" in out and "Pipeline bubble: 0.0781" in out
