@@ -4,6 +4,8 @@
   megalite -> hf:       --direction megalite-to-hf --input CKPT --output HF_DIR
   megalite -> megalite: --direction reshard --input CKPT --output CKPT2 --target-tp 4 --target-pp 1
 
+--model-type gpt (GPT-2, default) or bert (BertModel, BertForSequenceClassification or
+BertForMaskedLM, picked by the head the weights have; tokenizer files are not converted).
 megalite checkpoints hold full tensors per pipeline stage, so any of them loads under any
 layout; --target-tp/--target-pp record the layout and split the stage files.
 """
@@ -15,34 +17,62 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite import checkpointing  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.hf import gpt2  # noqa: E402
+from megalite.hf import bert, gpt2  # noqa: E402
 
-MODEL_TYPES = {  # name -> (HF model class, config from HF, HF state -> full, full -> HF, HF config)
-    "gpt": ("GPT2LMHeadModel", gpt2.gpt2_config, gpt2.gpt2_to_megalite, gpt2.megalite_to_gpt2,
-            gpt2.to_gpt2_config),
+State = dict  # full megalite state dict: parameter name -> tensor
+
+
+def read_gpt(src: str) -> tuple[ModelConfig, State]:
+    from transformers import GPT2LMHeadModel
+    hf = GPT2LMHeadModel.from_pretrained(src, local_files_only=True)
+    config = gpt2.gpt2_config(hf.config)
+    return config, gpt2.gpt2_to_megalite(hf.state_dict(), config)
+
+
+def write_gpt(dst: str, full: State, config: ModelConfig, src: str) -> None:
+    from transformers import GPT2LMHeadModel
+    model = GPT2LMHeadModel(gpt2.to_gpt2_config(config))
+    missing, unexpected = model.load_state_dict(gpt2.megalite_to_gpt2(full, config), strict=False)
+    if unexpected or any("lm_head" not in k and not k.endswith(".attn.bias") for k in missing):
+        raise ValueError(f"{src}: weights do not fit GPT2LMHeadModel: missing {missing}, "
+                         f"unexpected {unexpected}")
+    model.tie_weights()
+    model.save_pretrained(dst)
+
+
+def read_bert(src: str) -> tuple[ModelConfig, State]:
+    hf_config, state = bert.read_bert_dir(src)
+    config = bert.bert_config(hf_config)
+    return config, bert.bert_to_megalite(state, config)
+
+
+def write_bert(dst: str, full: State, config: ModelConfig, src: str) -> None:
+    """A model with a head via save_bert_dir; a bare encoder (all-MiniLM-L6-v2) as BertModel."""
+    if any(name.startswith(bert.HEAD_PREFIXES) for name in full):
+        bert.save_bert_dir(dst, full, config)
+        return
+    from transformers import BertModel
+    model = BertModel(bert.to_bert_config(config),
+                      add_pooling_layer="pooler.dense.weight" in full)
+    hf_state = bert.megalite_to_bert(full, config)
+    model.load_state_dict({k.removeprefix("bert."): v for k, v in hf_state.items()})
+    model.save_pretrained(dst)
+
+
+MODEL_TYPES = {  # name -> (HF directory -> (config, full state), write full state as HF dir)
+    "gpt": (read_gpt, write_gpt),
+    "bert": (read_bert, write_bert),
 }
 
 
 def hf_to_megalite(model_type: str, src: str, dst: str, tp: int, pp: int) -> None:
-    import transformers
-    cls, to_config, to_full, _, _ = MODEL_TYPES[model_type]
-    hf = getattr(transformers, cls).from_pretrained(src, local_files_only=True)
-    config = to_config(hf.config)
-    checkpointing.write_weights_checkpoint(dst, to_full(hf.state_dict(), config), config, tp, pp)
+    config, full = MODEL_TYPES[model_type][0](src)
+    checkpointing.write_weights_checkpoint(dst, full, config, tp, pp)
 
 
 def megalite_to_hf(model_type: str, src: str, dst: str) -> None:
-    import transformers
-    cls, _, _, from_full, hf_config = MODEL_TYPES[model_type]
     meta, full = checkpointing.read_full_model(src)
-    config = ModelConfig(**meta["model_config"])
-    model = getattr(transformers, cls)(hf_config(config))
-    missing, unexpected = model.load_state_dict(from_full(full, config), strict=False)
-    if unexpected or any("lm_head" not in k and not k.endswith(".attn.bias") for k in missing):
-        raise ValueError(f"{src}: weights do not fit {cls}: missing {missing}, "
-                         f"unexpected {unexpected}")
-    model.tie_weights()
-    model.save_pretrained(dst)
+    MODEL_TYPES[model_type][1](dst, full, ModelConfig(**meta["model_config"]), src)
 
 
 def reshard(src: str, dst: str, tp: int, pp: int) -> None:
