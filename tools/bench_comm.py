@@ -1,0 +1,213 @@
+"""Bytes moved by megalite's TP and PP collectives, and the measured pipeline bubble.
+
+    python tools/bench_comm.py [--ranks 4 --hidden-size 256 --seq-length 128 --micro-batch-size 2]
+
+On `--ranks` gloo CPU ranks (OMP_NUM_THREADS=1 each). Prints figures; asserts nothing.
+
+- TP: payload bytes of the collectives issued in one forward + backward of a GPT on
+  TP = ranks, counted by megalite.mpu.comm.count_bytes, for L and 2L layers: the
+  difference over L is the bytes per layer per microbatch, set against the closed form
+  4 all-reduces of b s h (2 forward, 2 backward; 6 with full recompute, which repeats the
+  forward), and what is left over against the embedding's forward all-reduce + the LM
+  head's backward all-reduce of b s h + cross entropy's 3 fp32 all-reduces of s b.
+- PP: send bytes summed over ranks in one pipeline step of m microbatches on PP = ranks,
+  per microbatch per stage boundary, against b s h each way (2 b s h); interleaving has
+  p v - 1 boundaries instead of p - 1.
+- Bubble: each rank times its compute (the forward step function, and every
+  torch.autograd.backward the executor calls, patched in for the step) between barriers;
+  bubble = (step time - compute) / compute, the mean over ranks, median over steps,
+  against (p-1)/m and (p-1)/(v m). Ranks share the machine's cores: with more ranks than
+  cores, computes slow down when more ranks are busy, which shrinks the measured bubble.
+"""
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from megalite.config import ModelConfig  # noqa: E402
+from megalite.models import GPTModel  # noqa: E402
+from megalite.models.stage import build_model_chunks, sync_shared_embedding  # noqa: E402
+from megalite.mpu import (comm, destroy_model_parallel, initialize_model_parallel,  # noqa: E402
+                          model_parallel_seed, parallel_state as ps)
+from megalite.schedules import get_forward_backward_func  # noqa: E402
+from tests.multirank import RankPool  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+VOCAB = 256  # small, so that the first and last stage cost about what the others do
+
+
+def _config(args: dict, layers: int, recompute: str | None = None) -> ModelConfig:
+    return ModelConfig(num_layers=layers, hidden_size=args["hidden"], num_attention_heads=4,
+                       vocab_size=VOCAB, max_position_embeddings=args["seq"],
+                       hidden_dropout=0.0, attention_dropout=0.0,
+                       recompute_granularity=recompute)
+
+
+def _tokens(args: dict, count: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (count * args["micro"], args["seq"] + 1),
+                         generator=torch.Generator().manual_seed(0))
+
+
+def tp_bytes(args: dict, cases: list[tuple[str, str | None]]) -> dict:
+    """Counted bytes per kind of one forward + backward, per (precision, recompute, layers)."""
+    initialize_model_parallel(dist.get_world_size(), 1)
+    model_parallel_seed(1234, ps.get_tensor_model_parallel_rank())
+    tokens, counts = _tokens(args), {}
+    for precision, recompute in cases:
+        for layers in (args["layers"], 2 * args["layers"]):
+            model = GPTModel(_config(args, layers, recompute), params_dtype=DTYPES[precision])
+            with comm.count_bytes() as counted:
+                model(tokens[:, :-1], tokens[:, 1:]).float().mean().backward()
+            counts[precision, recompute, layers] = dict(counted)
+    return counts
+
+
+def _loss(per_token: torch.Tensor):
+    loss = per_token.mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+@contextlib.contextmanager
+def _timed_backward(spans: list[float]):
+    """Record the duration of every torch.autograd.backward call inside the block."""
+    original = torch.autograd.backward
+
+    def backward(*a, **kw):
+        start = time.perf_counter()
+        original(*a, **kw)
+        spans.append(time.perf_counter() - start)
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
+
+
+def pipeline(args: dict, cases: list[tuple[int, int]], steps: int) -> dict:
+    """Per (v, m): this rank's send/recv bytes in the first step, and (step time, compute
+    time) of each later step."""
+    p, out = dist.get_world_size(), {}
+    for v, m in cases:
+        initialize_model_parallel(1, p, v if v > 1 else None)
+        model_parallel_seed(1234, 0, ps.get_pipeline_model_parallel_rank())
+        config = _config(args, args["pipeline_layers"])
+        chunks = build_model_chunks(lambda pre_process, post_process: GPTModel(
+            config, pre_process, post_process))
+        sync_shared_embedding(chunks)
+        tokens, compute = _tokens(args, m), []
+
+        def forward_step(data_iterator, chunk):
+            batch = next(data_iterator)
+            start = time.perf_counter()
+            output = chunk(batch[:, :-1], batch[:, 1:])
+            compute.append(time.perf_counter() - start)
+            return output, _loss
+
+        def step():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(tokens.split(args["micro"])),
+                model=chunks if v > 1 else chunks[0], num_microbatches=m,
+                seq_length=args["seq"], micro_batch_size=args["micro"])
+        timings, first_step = [], {}
+        for i in range(steps + 1):
+            for chunk in chunks:
+                chunk.zero_grad(set_to_none=True)
+            compute.clear()
+            dist.barrier()
+            start = time.perf_counter()
+            with _timed_backward(compute), comm.count_bytes() as counted_step:
+                step()
+            dist.barrier()
+            if i == 0:
+                first_step = dict(counted_step)
+            else:
+                timings.append((time.perf_counter() - start, sum(compute)))
+        out[v, m] = {"bytes": first_step, "timings": timings}
+        destroy_model_parallel()
+    return out
+
+
+def _run(world: int, fn, *args):
+    pool = RankPool(world)
+    try:
+        return pool.run(fn, *args)
+    finally:
+        pool.close()
+
+
+def report_tp(args: dict, world: int) -> None:
+    cases = [("fp32", None), ("fp32", "selective"), ("fp32", "full"), ("bf16", None)]
+    counts = _run(world, tp_bytes, args, cases)[0]
+    s, b, h, n = args["seq"], args["micro"], args["hidden"], args["layers"]
+    kib = 1024
+    print(f"TP = {world}: all-reduce payload bytes of one forward + backward (KiB), "
+          f"b {b}, s {s}, h {h}; layers = difference between {2 * n} and {n} layers, over {n}")
+    print(f"{'precision':9} {'recompute':9} {'per layer':>10} {'closed':>10} {'x b s h':>8} "
+          f"{'outside layers':>15} {'closed':>10}  other kinds")
+    for precision, recompute in cases:
+        small, large = counts[precision, recompute, n], counts[precision, recompute, 2 * n]
+        e = DTYPES[precision].itemsize
+        per_layer = (large["all_reduce"] - small["all_reduce"]) / n
+        closed = (6 if recompute == "full" else 4) * b * s * h * e
+        outside = small["all_reduce"] - n * per_layer
+        outside_closed = 2 * b * s * h * e + 3 * s * b * 4
+        others = {k: v for k, v in small.items() if k != "all_reduce"}
+        print(f"{precision:9} {str(recompute):9} {per_layer / kib:10.2f} {closed / kib:10.2f} "
+              f"{per_layer / (b * s * h * e):8.2f} {outside / kib:15.2f} "
+              f"{outside_closed / kib:10.2f}  {others or '-'}")
+
+
+def report_pipeline(args: dict, world: int, steps: int) -> None:
+    p, m, v = world, args["microbatches"], args["vpp"]
+    cases = [(1, p), (1, m), (v, m)]
+    results = _run(world, pipeline, args, cases, steps)
+    s, b, h = args["seq"], args["micro"], args["hidden"]
+    message = s * b * h * 4
+    print(f"\nPP = {p}: send bytes of one step summed over ranks, per microbatch per boundary "
+          f"(KiB); closed form b s h each way = {2 * message / 1024:.2f}")
+    for case in cases:
+        sent = sum(r[case]["bytes"].get("send", 0) for r in results)
+        received = sum(r[case]["bytes"].get("recv", 0) for r in results)
+        boundaries = p * case[0] - 1
+        print(f"  v {case[0]}, m {case[1]:3}: sent {sent / (case[1] * boundaries) / 1024:8.2f}, "
+              f"received {received / (case[1] * boundaries) / 1024:8.2f} over {boundaries} "
+              "boundaries")
+    print(f"\nPP = {p}: measured bubble (idle / compute, mean over ranks, median of {steps} "
+          "steps) vs closed form")
+    for case in cases:
+        per_step = [statistics.mean((t - c) / c for t, c in step)
+                    for step in zip(*(r[case]["timings"] for r in results))]
+        step_time = statistics.median(t for t, _ in results[0][case]["timings"])
+        print(f"  {'interleaved' if case[0] > 1 else '1f1b':11} v {case[0]}, m {case[1]:3}: "
+              f"measured {statistics.median(per_step):.3f}, closed form (p-1)/(v m) = "
+              f"{(p - 1) / (case[0] * case[1]):.3f}  (step {step_time * 1e3:.0f} ms)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--num-layers", type=int, default=2, help="L for the TP count")
+    parser.add_argument("--microbatches", type=int, default=8, help="m, a multiple of --ranks")
+    parser.add_argument("--vpp", type=int, default=2, help="chunks per rank, interleaved")
+    parser.add_argument("--steps", type=int, default=9, help="timed steps after one warm-up")
+    a = parser.parse_args()
+    args = {"hidden": a.hidden_size, "seq": a.seq_length, "micro": a.micro_batch_size,
+            "layers": a.num_layers, "microbatches": a.microbatches, "vpp": a.vpp,
+            "pipeline_layers": 2 * a.ranks * a.vpp}
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
+    report_tp(args, a.ranks)
+    report_pipeline(args, a.ranks, a.steps)
+
+
+if __name__ == "__main__":
+    main()
