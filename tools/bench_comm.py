@@ -21,6 +21,7 @@ On `--ranks` gloo CPU ranks (OMP_NUM_THREADS=1 each). Prints figures; asserts no
 """
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import sys
@@ -37,6 +38,7 @@ from megalite.models.stage import build_model_chunks, sync_shared_embedding  # n
 from megalite.mpu import (comm, destroy_model_parallel, initialize_model_parallel,  # noqa: E402
                           model_parallel_seed, parallel_state as ps)
 from megalite.schedules import get_forward_backward_func  # noqa: E402
+from megalite.schedules.tables import COMPUTE, build_schedule  # noqa: E402
 from tests.multirank import RankPool  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -180,14 +182,21 @@ def report_pipeline(args: dict, world: int, steps: int) -> None:
               f"received {received / (case[1] * boundaries) / 1024:8.2f} over {boundaries} "
               "boundaries")
     print(f"\nPP = {p}: measured bubble (idle / compute, mean over ranks, median of {steps} "
-          "steps) vs closed form")
-    for case in cases:
-        per_step = [statistics.mean((t - c) / c for t, c in step)
-                    for step in zip(*(r[case]["timings"] for r in results))]
-        step_time = statistics.median(t for t, _ in results[0][case]["timings"])
-        print(f"  {'interleaved' if case[0] > 1 else '1f1b':11} v {case[0]}, m {case[1]:3}: "
-              f"measured {statistics.median(per_step):.3f}, closed form (p-1)/(v m) = "
-              f"{(p - 1) / (case[0] * case[1]):.3f}  (step {step_time * 1e3:.0f} ms)")
+          "steps) vs closed form; idle per p2p batch (each one a wait on a neighbour)")
+    for v_case, m_case in cases:
+        name = "interleaved" if v_case > 1 else "1f1b"
+        per_step = [[(t - c) / c for t, c in step]
+                    for step in zip(*(r[v_case, m_case]["timings"] for r in results))]
+        idle = statistics.median(statistics.mean(t - c for t, c in step) for step in
+                                 zip(*(r[v_case, m_case]["timings"] for r in results)))
+        step_time = statistics.median(t for t, _ in results[0][v_case, m_case]["timings"])
+        table = build_schedule(name, p, m_case, v_case)
+        batches = statistics.mean(sum(not compute for compute, _ in itertools.groupby(
+            rank, lambda ins: ins.kind in COMPUTE)) for rank in table)
+        print(f"  {name:11} v {v_case}, m {m_case:3}: measured "
+              f"{statistics.median(statistics.mean(s) for s in per_step):.3f}, closed form "
+              f"(p-1)/(v m) = {(p - 1) / (v_case * m_case):.3f}  (step {step_time * 1e3:.0f} ms, "
+              f"{batches:.0f} p2p batches per rank, {idle / batches * 1e3:.1f} ms idle each)")
 
 
 def main() -> None:
