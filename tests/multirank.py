@@ -36,7 +36,9 @@ def _worker(rank: int, world_size: int, store_file: str, conn, sys_path: list[st
             conn.send(("error", traceback.format_exc()))
         finally:
             parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    # Exit without destroy_process_group: every rank is leaving, and its teardown
+    # handshake costs seconds per pool.
+    os._exit(0)
 
 
 class RankPool:
