@@ -80,12 +80,14 @@ def _finetune(argv: list[str]) -> dict:
     return {"losses": result.losses, "counts": result.counts, "best_epoch": result.best_epoch}
 
 
-def _hf_predictions(export: str, valid: str) -> tuple[torch.Tensor, dict, torch.Tensor]:
+def _hf_predictions(export: str, valid: str, pairs: bool
+                    ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """(logits, encoded batch, labels) of the exported model on the evaluation file."""
     from transformers import AutoModelForSequenceClassification, BertTokenizerFast
     rows = [json.loads(line) for line in open(valid)]
     tokenizer = BertTokenizerFast.from_pretrained(export, local_files_only=True)
-    batch = tokenizer([r["sentence1"] for r in rows], [r["sentence2"] for r in rows],
+    batch = tokenizer([r["sentence1"] for r in rows],
+                      [r["sentence2"] for r in rows] if pairs else None,
                       padding="max_length", max_length=SEQ, truncation=True, return_tensors="pt")
     hf = AutoModelForSequenceClassification.from_pretrained(
         export, local_files_only=True, attn_implementation="eager").eval()
@@ -95,7 +97,8 @@ def _hf_predictions(export: str, valid: str) -> tuple[torch.Tensor, dict, torch.
 
 
 @pytest.mark.parametrize("layout", [["--tp", "2", "--pp", "2"],
-                                    ["--pp", "2", "--dp", "2", "--recompute-granularity", "full"]])
+                                    ["--pp", "2", "--dp", "2", "--recompute-granularity", "full",
+                                     "--single-sentence"]])
 def test_finetune_reports_the_accuracy_of_its_export(tmp_path, task_dir, layout):
     save, export = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     result = run_on_ranks(4, _finetune, task_args(task_dir, "--save", save, "--export-dir",
@@ -104,7 +107,8 @@ def test_finetune_reports_the_accuracy_of_its_export(tmp_path, task_dir, layout)
     assert len(losses) == 3 * 8
     assert sum(losses[-4:]) < 0.75 * sum(losses[:4]), losses
 
-    logits, batch, labels = _hf_predictions(export, os.path.join(task_dir, "valid.jsonl"))
+    logits, batch, labels = _hf_predictions(export, os.path.join(task_dir, "valid.jsonl"),
+                                            pairs="--single-sentence" not in layout)
     correct = int((logits.argmax(-1) == labels).sum())
     best = result["best_epoch"]
     assert result["counts"][best] == (correct, 21), (result["counts"], correct)
