@@ -4,6 +4,7 @@ CUDA + NCCL when a GPU is visible, else CPU + gloo. Everything else asks here.
 """
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,12 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_distributed(rank: int | None = None, world_size: int | None = None,
                      init_method: str | None = None, timeout_s: float = 600.0) -> None:
     """Join the default process group (from torchrun's env unless given) and bind the device.
@@ -40,7 +47,9 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
         local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
         torch.cuda.set_device(local_rank)
     if init_method is None and "MASTER_ADDR" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if world_size > 1:
+            raise RuntimeError("init_distributed: WORLD_SIZE > 1 but no MASTER_ADDR "
+                               "(launch with torchrun or tools/run_multinode.sh)")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"  # a lone process: any free port
     dist.init_process_group(backend(), init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
