@@ -22,6 +22,8 @@ def count_bytes() -> Iterator[Counter]:
     yield result
     result.update(bytes_moved)
     result.subtract(start)
+    for kind in [k for k, v in result.items() if v == 0]:
+        del result[kind]  # kinds that moved bytes only outside the block
 
 
 def _count(kind: str, tensor: torch.Tensor) -> None:
