@@ -115,6 +115,17 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
             for chunk in chunks]
 
 
+def run_schedule(forward_step_func: Callable, data_iterator: Iterator, model: list,
+                 configs: Configs, shape: RunShape, forward_only: bool,
+                 loss_scale: float = 1.0) -> list[dict]:
+    """All microbatches of one step through the grid's pipeline schedule; per-microbatch losses."""
+    return get_forward_backward_func(configs.parallel.pipeline_schedule)(
+        forward_step_func=forward_step_func, data_iterator=data_iterator,
+        model=model if len(model) > 1 else model[0], num_microbatches=shape.num_microbatches,
+        seq_length=configs.train.seq_length, micro_batch_size=configs.train.micro_batch_size,
+        forward_only=forward_only, loss_scale=loss_scale)
+
+
 def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list, optimizer,
                configs: Configs, shape: RunShape, loss_key: str = "lm loss"
                ) -> tuple[float, bool, float | None]:
@@ -123,11 +134,8 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = get_forward_backward_func(configs.parallel.pipeline_schedule)(
-        forward_step_func=forward_step_func, data_iterator=data_iterator,
-        model=model if len(model) > 1 else model[0], num_microbatches=shape.num_microbatches,
-        seq_length=configs.train.seq_length, micro_batch_size=configs.train.micro_batch_size,
-        forward_only=False, loss_scale=optimizer.loss_scale)
+    losses = run_schedule(forward_step_func, data_iterator, model, configs, shape,
+                          forward_only=False, loss_scale=optimizer.loss_scale)
     for chunk in model:
         chunk.finish_grad_sync()
     allreduce_shared_embedding_grads(model)
@@ -162,11 +170,8 @@ def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list,
         chunk.eval()
     totals: dict[str, float] = {}
     for _ in range(configs.train.eval_iters if iters is None else iters):
-        losses = get_forward_backward_func(configs.parallel.pipeline_schedule)(
-            forward_step_func=forward_step_func, data_iterator=data_iterator,
-            model=model if len(model) > 1 else model[0], num_microbatches=shape.num_microbatches,
-            seq_length=configs.train.seq_length, micro_batch_size=configs.train.micro_batch_size,
-            forward_only=True)
+        losses = run_schedule(forward_step_func, data_iterator, model, configs, shape,
+                              forward_only=True)
         for key, value in _sum_over_data_parallel(losses).items():
             totals[key] = totals.get(key, 0.0) + value
     for chunk in model:
