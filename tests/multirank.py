@@ -17,6 +17,7 @@ import time
 import traceback
 from multiprocessing.connection import wait
 
+TRANSPORT_FLAKE = "Gloo connectFullMesh failed"
 TASK_TIMEOUT_S = float(os.environ.get("MEGALITE_TEST_TIMEOUT", 300))
 
 
@@ -117,14 +118,18 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = TASK_TIMEOUT_S, **
 
     `fn` must be a module-level function (it is sent to the workers by reference).
     """
-    pool = _POOLS.get(world_size)
-    if pool is None or not pool.alive():
-        pool = _POOLS[world_size] = RankPool(world_size)
-    try:
-        return pool.run(fn, *args, timeout=timeout, **kwargs)
-    except BaseException:
-        _POOLS.pop(world_size, None)
-        raise
+    for attempt in (1, 2):
+        pool = _POOLS.get(world_size)
+        if pool is None or not pool.alive():
+            pool = _POOLS[world_size] = RankPool(world_size)
+        try:
+            return pool.run(fn, *args, timeout=timeout, **kwargs)
+        except BaseException as error:
+            _POOLS.pop(world_size, None)
+            # gloo's socket mesh set-up can drop a connection on an overloaded 2-core
+            # machine; that is the transport, not the code under test: one fresh try.
+            if attempt == 2 or TRANSPORT_FLAKE not in str(error):
+                raise
 
 
 def close_pools() -> None:
