@@ -3,53 +3,95 @@
 Three all-reduces of [s, b] on the TP group: MAX of the local max, SUM of the target
 logit (picked on the owning rank), SUM of the exp-sum. Backward is softmax - one_hot on
 the local shard, with no communication.
+
+The [tokens, V/tp] work is done in fp32 whatever the logits' dtype, a block of rows at a
+time (on CPU, blocks small enough to stay in cache): forward keeps only per-token
+statistics (max, exp-sum) and the logits themselves for backward, which recomputes the
+softmax block by block and writes the grad in the logits' dtype. No full-size fp32
+temporary is ever allocated.
 """
 import torch
 
 from megalite.mpu import comm, parallel_state
 
+# fp32 elements per block on CPU (16 MiB): stays in cache, and few enough blocks (8 for 4096
+# tokens x 8192) that a loaded machine pays few thread synchronisations.
+_CPU_BLOCK_ELEMENTS = 1 << 22
+
+
+def _blocks(logits: torch.Tensor) -> range:
+    """Start rows of the blocks of logits [tokens, V/tp]; one block on GPUs."""
+    rows = logits.shape[0]
+    step = _CPU_BLOCK_ELEMENTS // max(1, logits.shape[1]) if logits.device.type == "cpu" else rows
+    return range(0, rows, max(step, 1))
+
+
+def _shifted(logits: torch.Tensor, logits_max: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = logits - max in fp32 (out: an fp32 block of the same shape)."""
+    if logits.dtype == torch.float32:
+        return torch.sub(logits, logits_max.unsqueeze(-1), out=out)
+    return out.copy_(logits).sub_(logits_max.unsqueeze(-1))
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group):
-        logits = logits.float()
-        logits_max = logits.max(dim=-1)[0]
+        shape, part = logits.shape, logits.shape[-1]
+        flat = logits.reshape(-1, part)
+        target = target.reshape(-1)
+        logits_max = flat.amax(dim=-1).float()
         comm.all_reduce(logits_max, group, op=torch.distributed.ReduceOp.MAX)
-        logits = logits - logits_max.unsqueeze(-1)
 
-        part = logits.shape[-1]
         rank = torch.distributed.get_rank(group) if comm.world_size(group) > 1 else 0
         start = rank * part
         outside = (target < start) | (target >= start + part)
         local_target = (target - start).masked_fill(outside, 0)
-        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        predicted = flat.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float() - logits_max
         predicted = predicted.masked_fill(outside, 0.0)
         comm.all_reduce(predicted, group)
 
-        exp_logits = logits.exp_()
-        sum_exp = exp_logits.sum(dim=-1)
+        sum_exp = torch.empty_like(logits_max)
+        blocks = _blocks(flat)
+        work = torch.empty((min(blocks.step, flat.shape[0]), part), dtype=torch.float32,
+                           device=flat.device)
+        for i in blocks:
+            rows = slice(i, i + blocks.step)
+            block = _shifted(flat[rows], logits_max[rows], work[:len(sum_exp[rows])])
+            torch.sum(block.exp_(), dim=-1, out=sum_exp[rows])
         comm.all_reduce(sum_exp, group)
         loss = torch.log(sum_exp) - predicted
 
-        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, outside, local_target)
-        return loss
+        ctx.save_for_backward(flat, logits_max, sum_exp, outside, local_target)
+        ctx.shape = shape
+        return loss.view(shape[:-1])
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, outside, local_target = ctx.saved_tensors
-        grad = softmax
-        inside = (~outside).to(grad.dtype).unsqueeze(-1)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None
+        flat, logits_max, sum_exp, outside, local_target = ctx.saved_tensors
+        grad_loss = grad_loss.reshape(-1).float()
+        inside = (~outside).float().unsqueeze(-1)
+        grad = torch.empty_like(flat)
+        blocks = _blocks(flat)
+        work = None if flat.dtype == torch.float32 else torch.empty(
+            (min(blocks.step, flat.shape[0]), flat.shape[1]), dtype=torch.float32,
+            device=flat.device)
+        for i in blocks:
+            rows = slice(i, i + blocks.step)
+            out = grad[rows] if work is None else work[:len(sum_exp[rows])]
+            block = _shifted(flat[rows], logits_max[rows], out)
+            block.exp_().div_(sum_exp[rows].unsqueeze(-1))  # softmax
+            block.scatter_add_(-1, local_target[rows].unsqueeze(-1), -inside[rows])
+            block.mul_(grad_loss[rows].unsqueeze(-1))
+            if work is not None:
+                grad[rows].copy_(block)
+        return grad.view(ctx.shape), None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  group=None) -> torch.Tensor:
     """Per-token loss [...] from logits [..., V/tp] (this rank's vocab slice) and target [...].
 
-    Computed in fp32 whatever the logits' dtype; the grad has the logits' fp32 shape.
+    Computed in fp32 whatever the logits' dtype; the grad has the logits' dtype and shape.
     """
     group = parallel_state.get_tensor_model_parallel_group() if group is None else group
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group)
