@@ -83,8 +83,7 @@ class ParallelAttention(nn.Module):
                 recompute_core: bool = False) -> torch.Tensor:
         s, b, _ = x.shape
         qkv, _ = self.query_key_value(x)
-        q, k, v = qkv.view(s, b, self.heads_per_rank, 3, self.config.head_dim).permute(
-            3, 1, 2, 0, 4).unbind(0)
+        q, k, v = _SplitQKV.apply(qkv, self.heads_per_rank, self.config.head_dim)
         if recompute_core:
             context = checkpoint(self.core_attention, q, k, v, attention_mask)
         else:
@@ -92,6 +91,29 @@ class ParallelAttention(nn.Module):
         context = context.permute(2, 0, 1, 3).reshape(s, b, -1)
         out, _ = self.dense(context)
         return out
+
+
+class _SplitQKV(torch.autograd.Function):
+    """qkv [s, b, heads * (q, k, v) * d] -> q, k, v [b, heads, s, d], strided views, no copy
+    (SDPA's CPU flash kernel and CUDA kernels take them as they are).
+
+    Backward stacks the three grads straight into the [s, b, heads, 3, d] layout: one copy,
+    where autograd's unbind + permute + view backward stacks them and then makes a strided
+    copy (about 4x slower on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, heads, head_dim):
+        s, b, _ = qkv.shape
+        ctx.shape = qkv.shape
+        return qkv.view(s, b, heads, 3, head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [g.permute(2, 0, 1, 3) if g is not None else None for g in grads]
+        like = next(g for g in grads if g is not None)
+        grads = [torch.zeros_like(like) if g is None else g for g in grads]
+        return torch.stack(grads, dim=3).view(ctx.shape), None, None
 
 
 class ParallelMLP(nn.Module):
