@@ -174,11 +174,33 @@ class VocabParallelEmbedding(nn.Module):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied output layer: hidden [..., h] -> vocab-parallel logits [..., V_padded/tp]."""
         hidden = copy_to_tensor_model_parallel_region(hidden, self.group)
+        logits = F.linear(hidden, self.weight)
         if not self.num_padding_rows:
-            return F.linear(hidden, self.weight)
-        logits = F.linear(hidden, self.weight[:-self.num_padding_rows])
-        padding = logits.new_full(logits.shape[:-1] + (self.num_padding_rows,), float("-inf"))
-        return torch.cat([logits, padding], dim=-1)
+            return logits
+        return _MaskVocabPadding.apply(logits, self.num_padding_rows)
+
+
+class _MaskVocabPadding(torch.autograd.Function):
+    """Set the last `n` (padding) columns of the logits to -inf in place, and zero their grad.
+
+    Cheaper than computing the real columns and concatenating -inf ones (a full copy of
+    the logits): the padding rows of the weight are zero, so their columns cost a few
+    extra matmul rows, and with zero grad there the weight's padding rows get zero grad.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, n):
+        ctx.n = n
+        logits[..., -n:] = float("-inf")
+        ctx.mark_dirty(logits)
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad[..., -ctx.n:].any():  # softmax-based losses already give exact zeros
+            grad = grad.clone()
+            grad[..., -ctx.n:] = 0
+        return grad, None
 
 
 def gather_tensor_parallel(tensor: torch.Tensor, param: torch.Tensor, group=None) -> torch.Tensor:
