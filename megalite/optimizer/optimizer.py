@@ -123,16 +123,17 @@ class MixedPrecisionOptimizer:
             grad_norm = global_grad_norm(
                 [f.grad for f in self.fragments if counts_toward_norm(f.model_param)],
                 self._stats_groups(), self._device())
-            torch.nn.utils.clip_grads_with_norm_([f.main for f in self.fragments],
-                                                 self.clip_grad, torch.tensor(grad_norm))
+            if not self.clip_grad / (grad_norm + 1e-6) >= 1.0:  # scale only when clipping (or NaN)
+                torch.nn.utils.clip_grads_with_norm_([f.main for f in self.fragments],
+                                                     self.clip_grad, torch.tensor(grad_norm))
         self.optimizer.step()
         self._copy_main_to_model()
         return True, grad_norm
 
     def _copy_main_to_model(self) -> None:
-        for f in self.fragments:
-            if f.target is not None:
-                f.target.copy_(f.main)
+        pairs = [(f.target, f.main) for f in self.fragments if f.target is not None]
+        if pairs:
+            torch._foreach_copy_(*map(list, zip(*pairs)))
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
