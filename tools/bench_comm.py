@@ -37,9 +37,9 @@ from megalite.models import GPTModel  # noqa: E402
 from megalite.models.stage import build_model_chunks, sync_shared_embedding  # noqa: E402
 from megalite.mpu import (comm, destroy_model_parallel, initialize_model_parallel,  # noqa: E402
                           model_parallel_seed, parallel_state as ps)
+from megalite.rank_pool import run_once  # noqa: E402
 from megalite.schedules import get_forward_backward_func  # noqa: E402
 from megalite.schedules.tables import COMPUTE, build_schedule  # noqa: E402
-from tests.multirank import RankPool  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VOCAB = 256  # small, so that the first and last stage cost about what the others do
@@ -136,17 +136,9 @@ def pipeline(args: dict, cases: list[tuple[int, int]], steps: int) -> dict:
     return out
 
 
-def _run(world: int, fn, *args):
-    pool = RankPool(world)
-    try:
-        return pool.run(fn, *args)
-    finally:
-        pool.close()
-
-
 def report_tp(args: dict, world: int) -> None:
     cases = [("fp32", None), ("fp32", "selective"), ("fp32", "full"), ("bf16", None)]
-    counts = _run(world, tp_bytes, args, cases)[0]
+    counts = run_once(world, tp_bytes, args, cases)[0]
     s, b, h, n = args["seq"], args["micro"], args["hidden"], args["layers"]
     kib = 1024
     print(f"TP = {world}: all-reduce payload bytes of one forward + backward (KiB), "
@@ -169,7 +161,7 @@ def report_tp(args: dict, world: int) -> None:
 def report_pipeline(args: dict, world: int, steps: int) -> None:
     p, m, v = world, args["microbatches"], args["vpp"]
     cases = [(1, p), (1, m), (v, m)]
-    results = _run(world, pipeline, args, cases, steps)
+    results = run_once(world, pipeline, args, cases, steps)
     s, b, h = args["seq"], args["micro"], args["hidden"]
     message = s * b * h * 4
     print(f"\nPP = {p}: send bytes of one step summed over ranks, per microbatch per boundary "

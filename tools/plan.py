@@ -34,6 +34,7 @@ from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig,
                              build_parser, config_from_args)
 from megalite.planner import ACTIVATION_BYTES, Plan, plan, ring_wire  # noqa: E402
+from megalite.rank_pool import run_once  # noqa: E402
 
 GIB = 2 ** 30
 SECTIONS = (ModelConfig, ParallelConfig, PrecisionConfig, OptimizerConfig, TrainConfig)
@@ -216,18 +217,13 @@ def measure_rank(argv: list[str]) -> dict:
 
 
 def validate_memory() -> None:
-    from tests.multirank import RankPool
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_memory for the workers
     mib = 2 ** 20
     print("(a) Peak memory per rank (MiB): model state + saved activations, estimate | measured")
     print(f"{'':48} {'state':>13} {'activations':>13} {'total':>13}")
     print(f"{'configuration':42} {'stage':>5}" + "   est.  meas." * 3 + "  est/meas")
     for name, (world, argv) in MEASURED.items():
-        pool = RankPool(world)
-        try:
-            results = pool.run(measure_rank, argv)
-        finally:
-            pool.close()
+        results = run_once(world, measure_rank, argv)
         estimate = plan(parse(argv)[0])
         last = max(r["pp"] for r in results)
         for r in results:

@@ -1,0 +1,120 @@
+"""Run a function on N local ranks from one Python process: gloo on CPU, NCCL on GPUs.
+
+`RankPool(n)` starts n spawned workers that join one default process group (file-store
+rendezvous: no free port needed, so concurrent pools cannot collide) and then run task
+after task: `pool.run(fn, *args)` calls `fn(*args)` on every rank and returns the list
+of per-rank results. Each task ends with `destroy_model_parallel()`, so the next may
+initialise any layout. Used by the tests' rank pools and by the multi-rank tools.
+
+Bounded failure: if any rank raises, the pool is killed at once and `run` raises with
+that rank's traceback; ranks that do not answer within `timeout_s` are killed and named.
+"""
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+
+def _worker(rank: int, world_size: int, store_file: str, conn, sys_path: list[str],
+            timeout_s: float) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    import torch
+    torch.set_num_threads(1)
+    from megalite.device import init_distributed
+    from megalite.mpu import parallel_state
+    init_distributed(rank, world_size, f"file://{store_file}", timeout_s=timeout_s)
+    while (task := conn.recv()) is not None:
+        fn, args, kwargs = task
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # report everything, including assertion failures
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            parallel_state.destroy_model_parallel()
+    # Exit without destroy_process_group: every rank is leaving, and its teardown
+    # handshake costs seconds per pool.
+    os._exit(0)
+
+
+class RankPool:
+    """N processes joined in one default process group, running tasks on request."""
+
+    def __init__(self, world_size: int, timeout_s: float = 300.0) -> None:
+        ctx = mp.get_context("spawn")
+        store_file = tempfile.mktemp(prefix=f"megalite_pool{world_size}_")
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, daemon=True,
+                               args=(rank, world_size, store_file, child, sys.path, timeout_s))
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
+        """`fn(*args, **kwargs)` on every rank (a module-level function: it is pickled by
+        reference); the per-rank results in rank order."""
+        timeout = self.timeout_s if timeout is None else timeout
+        for conn in self.conns:
+            conn.send((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world_size:
+            waiting = {c: r for r, c in enumerate(self.conns) if r not in results}
+            sentinels = {self.procs[r].sentinel: r for r in waiting.values()}
+            ready = wait(list(waiting) + list(sentinels), max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.close(kill=True)
+                raise TimeoutError(f"{fn.__name__}: ranks {sorted(waiting.values())} gave no "
+                                   f"answer within {timeout:.0f} s")
+            for obj in ready:
+                if obj in sentinels and obj not in waiting:
+                    rank = sentinels[obj]
+                    if not self.conns[rank].poll():
+                        self.close(kill=True)
+                        raise RuntimeError(f"{fn.__name__}: rank {rank} died "
+                                           f"(exit code {self.procs[rank].exitcode})")
+                    continue
+                if obj not in waiting:
+                    continue
+                status, value = obj.recv()
+                if status == "error":
+                    self.close(kill=True)
+                    raise AssertionError(f"{fn.__name__} failed on rank {waiting[obj]} of "
+                                         f"{self.world_size}:\n{value}")
+                results[waiting[obj]] = value
+        return [results[r] for r in range(self.world_size)]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers: politely, or at once (`kill`) when some may be stuck."""
+        for conn, proc in zip(self.conns, self.procs):
+            if kill:
+                proc.kill()
+            elif proc.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def run_once(world_size: int, fn: Callable, *args, **kwargs) -> list:
+    """Start a pool of `world_size` ranks, run one task on it, stop it; per-rank results."""
+    pool = RankPool(world_size)
+    try:
+        return pool.run(fn, *args, **kwargs)
+    finally:
+        pool.close()
