@@ -205,7 +205,7 @@ def save_best(configs: Configs, iteration: int, superseded: int, model: list, op
     checkpointing.save_checkpoint(root, iteration, model, optimizer, scheduler,
                                   iteration * shape.global_batch_size, configs.model)
     if dist.get_rank() == 0 and superseded:
-        shutil.rmtree(checkpointing._iter_dir(root, superseded), ignore_errors=True)
+        shutil.rmtree(checkpointing.iteration_dir(root, superseded), ignore_errors=True)
     log(f"saved the best model to {root} (iteration {iteration})")
 
 

@@ -31,7 +31,8 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "vocab_size", "max_position_embeddings", "num_tokentypes")
 
 
-def _iter_dir(root: str, iteration: int) -> str:
+def iteration_dir(root: str, iteration: int) -> str:
+    """The directory of one saved iteration: <root>/iter_0000042."""
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
@@ -72,7 +73,7 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
                     scheduler, consumed_samples: int, model_config: ModelConfig) -> None:
     """Collective over the world: every rank writes its part, rank 0 publishes it."""
     rank = dist.get_rank()
-    final, tmp = _iter_dir(root, iteration), _iter_dir(root, iteration) + ".tmp"
+    final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -105,7 +106,7 @@ def latest_iteration(root: str) -> int | None:
     if not os.path.exists(path):
         return None
     text = open(path).read().strip()
-    if not text.isdigit() or not os.path.isdir(_iter_dir(root, int(text))):
+    if not text.isdigit() or not os.path.isdir(iteration_dir(root, int(text))):
         raise ValueError(f"--load {root}: {MARKER} names {text!r}, which is not a complete "
                          f"checkpoint directory")
     return int(text)
@@ -116,7 +117,7 @@ def read_meta(root: str) -> dict | None:
     iteration = latest_iteration(root)
     if iteration is None:
         return None
-    return torch.load(os.path.join(_iter_dir(root, iteration), "meta.pt"), weights_only=False)
+    return torch.load(os.path.join(iteration_dir(root, iteration), "meta.pt"), weights_only=False)
 
 
 def check_compatible(meta: dict, model_config: ModelConfig, root: str) -> None:
@@ -131,7 +132,7 @@ def check_compatible(meta: dict, model_config: ModelConfig, root: str) -> None:
 
 def load_model_weights(root: str, iteration: int, model: list[torch.nn.Module]) -> None:
     """Fill this rank's shards from the full per-stage files (any TP/PP layout)."""
-    directory = _iter_dir(root, iteration)
+    directory = iteration_dir(root, iteration)
     full: dict[str, torch.Tensor] = {}
     for name in sorted(os.listdir(directory)):
         if name.startswith("model_pp"):
@@ -148,7 +149,7 @@ def load_checkpoint(root: str, model: list[torch.nn.Module], optimizer, schedule
     check_compatible(meta, model_config, root)
     iteration = meta["iteration"]
     load_model_weights(root, iteration, model)
-    rank_file = os.path.join(_iter_dir(root, iteration), f"rank_{dist.get_rank():05d}.pt")
+    rank_file = os.path.join(iteration_dir(root, iteration), f"rank_{dist.get_rank():05d}.pt")
     if meta["layout"] == _layout() and os.path.exists(rank_file):
         state = torch.load(rank_file, weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
@@ -168,7 +169,7 @@ def read_full_model(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
     meta = read_meta(root)
     if meta is None:
         raise FileNotFoundError(f"{root}: no {MARKER} (expected a megalite checkpoint directory)")
-    directory, full = _iter_dir(root, meta["iteration"]), {}
+    directory, full = iteration_dir(root, meta["iteration"]), {}
     for name in sorted(os.listdir(directory)):
         if name.startswith("model_pp"):
             full.update(torch.load(os.path.join(directory, name), weights_only=True))
@@ -191,7 +192,7 @@ def write_weights_checkpoint(root: str, full: dict[str, torch.Tensor], model_con
     if model_config.num_layers % pp:
         raise ValueError(f"--target-pp ({pp}) must divide the model's {model_config.num_layers} "
                          f"layers")
-    tmp, final = _iter_dir(root, iteration) + ".tmp", _iter_dir(root, iteration)
+    tmp, final = iteration_dir(root, iteration) + ".tmp", iteration_dir(root, iteration)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     stages: list[dict[str, torch.Tensor]] = [{} for _ in range(pp)]
