@@ -43,15 +43,16 @@ def model_provider(configs: Configs, pre_process: bool, post_process: bool) -> t
                     device=device.current_device())
 
 
+def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss [b, s] -> (mean loss in fp32, {"lm loss": it} for logging)."""
+    loss = per_token_loss.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     """tokens [b, s+1] -> per-token loss [b, s] on the last stage (hidden [s, b, h] elsewhere)."""
     tokens = next(data_iterator)["tokens"].to(device.current_device())
-    output = model(tokens[:, :-1], tokens[:, 1:])
-
-    def loss_func(per_token_loss: torch.Tensor):
-        loss = per_token_loss.float().mean()
-        return loss, {"lm loss": loss.detach()}
-    return output, loss_func
+    return model(tokens[:, :-1], tokens[:, 1:]), loss_func
 
 
 def datasets_provider(configs: Configs, num_samples: tuple[int, int, int], consumed: int):

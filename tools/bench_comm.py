@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+import pretrain_gpt  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
 from megalite.models.stage import build_model_chunks, sync_shared_embedding  # noqa: E402
@@ -71,11 +72,6 @@ def tp_bytes(args: dict, cases: list[tuple[str, str | None]]) -> dict:
     return counts
 
 
-def _loss(per_token: torch.Tensor):
-    loss = per_token.mean()
-    return loss, {"lm loss": loss.detach()}
-
-
 @contextlib.contextmanager
 def _timed_backward(spans: list[float]):
     """Record the duration of every torch.autograd.backward call inside the block."""
@@ -110,7 +106,7 @@ def pipeline(args: dict, cases: list[tuple[int, int]], steps: int) -> dict:
             start = time.perf_counter()
             output = chunk(batch[:, :-1], batch[:, 1:])
             compute.append(time.perf_counter() - start)
-            return output, _loss
+            return output, pretrain_gpt.loss_func
 
         def step():
             get_forward_backward_func()(

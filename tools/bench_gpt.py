@@ -33,7 +33,6 @@ the top ops by self time.
 """
 import argparse
 import contextlib
-import functools
 import os
 import statistics
 import sys
@@ -43,6 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+import pretrain_gpt  # noqa: E402
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
 from megalite.device import init_distributed  # noqa: E402
@@ -160,18 +160,8 @@ class MegaliteRunner:
         self.optimizer, self.scheduler = get_optimizer(opt, prec, self.model, 10 ** 6)
         self.shape = RunShape(1, micro, 1)
 
-    @staticmethod
-    def forward_step(tokens: torch.Tensor, data_iterator, model):
-        next(data_iterator)
-        output = model(tokens[:, :-1], tokens[:, 1:])
-
-        def loss_func(per_token_loss):
-            loss = per_token_loss.float().mean()
-            return loss, {"lm loss": loss.detach()}
-        return output, loss_func
-
     def step(self, tokens: torch.Tensor) -> float:
-        loss, stepped, _ = train_step(functools.partial(self.forward_step, tokens), iter([None]),
+        loss, stepped, _ = train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]),
                                       self.model, self.optimizer, self.configs, self.shape)
         if stepped:
             self.scheduler.step()

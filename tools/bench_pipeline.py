@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+import pretrain_gpt  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.device import init_distributed  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
@@ -54,16 +55,6 @@ class PeerStage(nn.Module):
 
 def peer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
-def megalite_loss(per_token: torch.Tensor):
-    loss = per_token.mean()
-    return loss, {"lm loss": loss.detach()}
-
-
-def forward_step(data_iterator, chunk: nn.Module):
-    tokens = next(data_iterator)
-    return chunk(tokens[:, :-1], tokens[:, 1:]), megalite_loss
 
 
 def timed(steps: dict, repeats: int, warmup: int, chunks: list[nn.Module]) -> dict:
@@ -103,7 +94,8 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     our_losses = []
 
     def our_step():
-        our_losses[:] = ours(forward_step_func=forward_step, data_iterator=iter(tokens.split(b)),
+        our_losses[:] = ours(forward_step_func=pretrain_gpt.forward_step,
+                             data_iterator=({"tokens": t} for t in tokens.split(b)),
                              model=chunks, num_microbatches=m, seq_length=args.seq,
                              micro_batch_size=b)
 
