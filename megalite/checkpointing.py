@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megalite.config import ModelConfig
 from megalite.models.sharding import full_state_dict, load_full_state_dict
+from megalite.models.spec import stage_of
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.random import get_rng_tracker
 
@@ -174,13 +175,6 @@ def read_full_model(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
         if name.startswith("model_pp"):
             full.update(torch.load(os.path.join(directory, name), weights_only=True))
     return meta, full
-
-
-def stage_of(name: str, num_layers: int, pp: int) -> int:
-    """Pipeline stage that owns parameter `name` under `pp` equal stages."""
-    if name.startswith("encoder.layers."):
-        return int(name.split(".")[2]) // (num_layers // pp)
-    return 0 if name.startswith("embedding.") else pp - 1
 
 
 def write_weights_checkpoint(root: str, full: dict[str, torch.Tensor], model_config: ModelConfig,

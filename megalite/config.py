@@ -23,20 +23,43 @@ def arg(default, help: str, aliases: tuple[str, ...] = (), choices=None, **kw):
 
 @dataclass
 class ModelConfig:
-    """Transformer shape and regularisation (GPT-2 defaults where they apply)."""
+    """Transformer shape and regularisation (GPT-2 defaults where they apply; Llama: RMSNorm,
+    rope, swiglu, group-query-attention, disable-bias-linear, untie-embeddings-and-output-weights).
+    """
 
     num_layers: int = arg(4, "number of transformer layers")
     hidden_size: int = arg(256, "hidden size h")
     num_attention_heads: int = arg(4, "attention heads a (divisible by TP)")
-    ffn_hidden_size: int | None = arg(None, "MLP inner size (default 4h)")
+    ffn_hidden_size: int | None = arg(
+        None, "MLP inner size (default 4h; with --swiglu 2/3 of 4h rounded down to a multiple of 64)")
     vocab_size: int = arg(8000, "real vocabulary size (padded for TP, see make-vocab-size-divisible-by)")
-    max_position_embeddings: int = arg(512, "learned position embeddings (>= seq-length)")
-    layernorm_epsilon: float = arg(1e-5, "LayerNorm epsilon")
+    max_position_embeddings: int = arg(512, "longest sequence (learned position embeddings: rows)")
+    normalization: str = arg("LayerNorm", "normalization layer", choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = arg(1e-5, "epsilon of the normalization layers",
+                              aliases=("--layernorm-epsilon",))
+    position_embedding_type: str = arg("learned_absolute", "position embedding",
+                                       choices=("learned_absolute", "rope"))
+    rotary_base: float = arg(10000.0, "RoPE base (theta)")
+    use_rope_scaling: bool = arg(False, "Llama 3.1 RoPE frequency scaling")
+    rope_scaling_factor: float = arg(8.0, "Llama 3.1 scaling: factor")
+    rope_low_freq_factor: float = arg(1.0, "Llama 3.1 scaling: low-frequency factor")
+    rope_high_freq_factor: float = arg(4.0, "Llama 3.1 scaling: high-frequency factor")
+    rope_original_max_position_embeddings: int = arg(
+        8192, "Llama 3.1 scaling: context length the model was pretrained at")
+    swiglu: bool = arg(False, "SwiGLU MLP (silu(x W_gate) * x W_up) instead of --activation")
+    group_query_attention: bool = arg(False, "grouped-query attention (see --num-query-groups)")
+    num_query_groups: int | None = arg(None, "KV groups with --group-query-attention (1: MQA)")
+    kv_channels: int | None = arg(None, "head dim (default hidden / heads)")
+    disable_bias_linear: bool = arg(False, "no biases in the attention and MLP linear layers")
+    add_qkv_bias: bool = arg(False, "QKV bias even with --disable-bias-linear (Qwen2)")
+    untie_embeddings_and_output_weights: bool = arg(
+        False, "separate output layer instead of the input word embedding")
     hidden_dropout: float = arg(0.1, "dropout on embeddings and residual branches")
     attention_dropout: float = arg(0.1, "dropout on attention probabilities")
     init_method_std: float = arg(0.02, "std of the normal weight initialisation")
     make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this x TP")
-    activation: str = arg("gelu_tanh", "MLP activation", choices=("gelu_tanh", "gelu"))
+    activation: str = arg("gelu_tanh", "MLP activation (without --swiglu)",
+                          choices=("gelu_tanh", "gelu"))
     num_tokentypes: int = arg(0, "token-type embeddings (BERT: 2)")
     post_layernorm: bool = arg(False, "LayerNorm after each residual add (BERT) instead of before")
     causal: bool = arg(True, "causal self-attention (GPT); off for bidirectional (BERT)",
@@ -50,15 +73,37 @@ class ModelConfig:
     recompute_num_layers: int = arg(1, "N for --recompute-method")
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                     "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
+                                 f"{getattr(self, name)}")
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if self.hidden_size % self.num_attention_heads:
+            self.ffn_hidden_size = (4 * self.hidden_size * 2 // 3 // 64 * 64 if self.swiglu
+                                    else 4 * self.hidden_size)
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"--hidden-size ({self.hidden_size}) must be divisible by "
-                             f"--num-attention-heads ({self.num_attention_heads})")
+                             f"--num-attention-heads ({self.num_attention_heads}) "
+                             f"(or give --kv-channels)")
+        if self.num_query_groups is not None and not self.group_query_attention:
+            raise ValueError("--num-query-groups needs --group-query-attention")
+        if self.group_query_attention and self.num_query_groups is None:
+            raise ValueError("--group-query-attention needs --num-query-groups N")
+        groups = self.query_groups
+        if groups <= 0 or self.num_attention_heads % groups:
+            raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be a "
+                             f"multiple of --num-query-groups ({groups})")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head dim, got {self.head_dim}")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """KV groups: --num-query-groups with GQA, else one per head (MHA)."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
 
 
 @dataclass

@@ -20,7 +20,7 @@ from megalite.data.gpt_dataset import parse_data_path
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.distributed import DistributedDataParallel
 from megalite.metrics import flops_per_iteration, peak_memory_mb
-from megalite.models.stage import (allreduce_shared_embedding_grads, build_model_chunks,
+from megalite.models.stage import (build_model_chunks, finalize_model_grads,
                                    sync_shared_embedding)
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
@@ -136,9 +136,7 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     optimizer.zero_grad()
     losses = run_schedule(forward_step_func, data_iterator, model, configs, shape,
                           forward_only=False, loss_scale=optimizer.loss_scale)
-    for chunk in model:
-        chunk.finish_grad_sync()
-    allreduce_shared_embedding_grads(model)
+    finalize_model_grads(model)
     stepped, grad_norm = optimizer.step()
     return _mean_over_data_parallel(losses, loss_key), stepped, grad_norm
 

@@ -32,10 +32,8 @@ def _attention_dropout_differs_per_rank() -> bool:
     """The attention core's dropout draws from the TP stream: per-rank heads get own masks."""
     initialize_model_parallel(2, 1)
     model_parallel_seed(5, ps.get_tensor_model_parallel_rank())
-    from megalite.mpu.transformer import ParallelAttention
-    config = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=10,
-                         attention_dropout=0.5)
-    attn = ParallelAttention(config).train()
+    from megalite.mpu import ParallelAttention
+    attn = ParallelAttention(hidden_size=16, num_attention_heads=2, attention_dropout=0.5).train()
     q = torch.ones(1, 1, 64, 8)  # identical inputs on both ranks
     out = attn.core_attention(q, q, q, None)
     both = all_gather_stacked(out, ps.get_tensor_model_parallel_group())

@@ -66,7 +66,7 @@ def bert_config(hf_config) -> ModelConfig:
         num_attention_heads=hf_config.num_attention_heads,
         ffn_hidden_size=hf_config.intermediate_size, vocab_size=hf_config.vocab_size,
         max_position_embeddings=hf_config.max_position_embeddings,
-        layernorm_epsilon=hf_config.layer_norm_eps, hidden_dropout=hf_config.hidden_dropout_prob,
+        norm_epsilon=hf_config.layer_norm_eps, hidden_dropout=hf_config.hidden_dropout_prob,
         attention_dropout=hf_config.attention_probs_dropout_prob,
         init_method_std=hf_config.initializer_range, activation=_ACTIVATIONS[hf_config.hidden_act],
         num_tokentypes=hf_config.type_vocab_size, post_layernorm=True, causal=False)
@@ -81,7 +81,7 @@ def to_bert_config(config: ModelConfig, num_labels: int = 2):
         num_hidden_layers=config.num_layers, hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads, intermediate_size=config.ffn_hidden_size,
         vocab_size=config.vocab_size, max_position_embeddings=config.max_position_embeddings,
-        layer_norm_eps=config.layernorm_epsilon, hidden_dropout_prob=config.hidden_dropout,
+        layer_norm_eps=config.norm_epsilon, hidden_dropout_prob=config.hidden_dropout,
         attention_probs_dropout_prob=config.attention_dropout,
         initializer_range=config.init_method_std, type_vocab_size=config.num_tokentypes,
         hidden_act="gelu" if config.activation == "gelu" else "gelu_new", num_labels=num_labels)

@@ -38,7 +38,7 @@ def gpt2_config(hf_config) -> ModelConfig:
         num_layers=hf_config.n_layer, hidden_size=hf_config.n_embd,
         num_attention_heads=hf_config.n_head, ffn_hidden_size=hf_config.n_inner or 4 * hf_config.n_embd,
         vocab_size=hf_config.vocab_size, max_position_embeddings=hf_config.n_positions,
-        layernorm_epsilon=hf_config.layer_norm_epsilon, hidden_dropout=hf_config.resid_pdrop,
+        norm_epsilon=hf_config.layer_norm_epsilon, hidden_dropout=hf_config.resid_pdrop,
         attention_dropout=hf_config.attn_pdrop, init_method_std=hf_config.initializer_range,
         activation="gelu" if hf_config.activation_function == "gelu" else "gelu_tanh")
 
@@ -49,7 +49,7 @@ def to_gpt2_config(config: ModelConfig):
     return GPT2Config(
         n_layer=config.num_layers, n_embd=config.hidden_size, n_head=config.num_attention_heads,
         n_inner=config.ffn_hidden_size, vocab_size=config.vocab_size,
-        n_positions=config.max_position_embeddings, layer_norm_epsilon=config.layernorm_epsilon,
+        n_positions=config.max_position_embeddings, layer_norm_epsilon=config.norm_epsilon,
         resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
         attn_pdrop=config.attention_dropout, initializer_range=config.init_method_std,
         activation_function="gelu_new" if config.activation == "gelu_tanh" else "gelu")

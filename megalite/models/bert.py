@@ -15,7 +15,7 @@ from megalite.models.stage import pipeline_layer_range, share_embedding_with_fir
 from megalite.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megalite.mpu.layers import (VocabParallelEmbedding, init_method_normal,
                                  set_tensor_model_parallel_attributes)
-from megalite.mpu.transformer import ParallelTransformer, init_scope, layer_norm
+from megalite.models.transformer import ParallelTransformer, init_scope, layer_norm
 
 HEADS = ("classification", "mlm")
 

@@ -1,17 +1,29 @@
-"""GPT (GPT-2 architecture) built from the mpu blocks, one pipeline stage or chunk at a time."""
+"""GPT-family decoder (GPT-2, Llama, ... as specs) built one pipeline stage or chunk at a time."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.models.spec import TransformerSpec
 from megalite.models.stage import pipeline_layer_range, share_embedding_with_first_stage
+from megalite.models.transformer import ParallelTransformer, init_scope, layer_norm
 from megalite.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megalite.mpu.layers import VocabParallelEmbedding, init_method_normal
-from megalite.mpu.transformer import ParallelTransformer, init_scope, layer_norm
+from megalite.mpu.rotary import RotaryEmbedding
+
+
+def _learned_embedding(rows: int, config: ModelConfig, init_seed: int, key: str,
+                       params_dtype: torch.dtype, device) -> nn.Embedding:
+    """A TP-replicated nn.Embedding [rows, h], normal(std) from the (seed, key) scope."""
+    with init_scope(init_seed, key):
+        embedding = nn.Embedding(rows, config.hidden_size, dtype=params_dtype, device=device)
+        init_method_normal(config.init_method_std)(embedding.weight.data)
+    return embedding
 
 
 class Embedding(nn.Module):
-    """Word (vocab-parallel), position and optional token-type embeddings.
+    """Word (vocab-parallel), learned position (unless rotary) and optional token-type
+    embeddings.
 
     forward(ids [b, s], position_ids [b, s] | None, tokentype_ids [b, s] | None) -> [s, b, h].
     `word_only=True` builds just the word embedding (the tied output layer of a last stage).
@@ -26,29 +38,28 @@ class Embedding(nn.Module):
                 config.vocab_size, config.hidden_size, init_method=init,
                 make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, group=group,
                 params_dtype=params_dtype, device=device)
+        self.position_embeddings = self.tokentype_embeddings = None
         if word_only:
             return
-        with init_scope(init_seed, "embedding.position"):
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
-                                                    config.hidden_size, dtype=params_dtype,
-                                                    device=device)
-            init(self.position_embeddings.weight.data)
-        self.tokentype_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = _learned_embedding(
+                config.max_position_embeddings, config, init_seed, "embedding.position",
+                params_dtype, device)
         if config.num_tokentypes:
-            with init_scope(init_seed, "embedding.tokentype"):
-                self.tokentype_embeddings = nn.Embedding(config.num_tokentypes,
-                                                         config.hidden_size, dtype=params_dtype,
-                                                         device=device)
-                init(self.tokentype_embeddings.weight.data)
+            self.tokentype_embeddings = _learned_embedding(
+                config.num_tokentypes, config, init_seed, "embedding.tokentype", params_dtype,
+                device)
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
         ids = ids.t()
-        if position_ids is None:
-            position_ids = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
-        else:
-            position_ids = position_ids.t()
-        out = self.word_embeddings(ids) + self.position_embeddings(position_ids)
+        out = self.word_embeddings(ids)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+            else:
+                position_ids = position_ids.t()
+            out = out + self.position_embeddings(position_ids)
         if self.tokentype_embeddings is not None:
             tokentype_ids = torch.zeros_like(ids) if tokentype_ids is None else tokentype_ids.t()
             out = out + self.tokentype_embeddings(tokentype_ids)
@@ -56,11 +67,12 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """The GPT layers of one pipeline stage (or virtual chunk).
+    """The decoder layers of one pipeline stage (or virtual chunk).
 
     pre_process: this stage embeds input_ids; otherwise it starts from `set_input_tensor`.
-    post_process: this stage ends with the final LayerNorm and the tied LM head.
-    forward(input_ids [b, s], labels [b, s] | None) ->
+    post_process: this stage ends with the final norm and the output layer (the word
+    embedding when tied, else `output_layer`).
+    forward(input_ids [b, s], labels [b, s] | None, position_ids [b, s] | None) ->
       last stage: per-token loss [b, s] with labels, else vocab-parallel logits [b, s, V/tp];
       other stages: hidden states [s, b, h] for the next stage.
     """
@@ -70,20 +82,44 @@ class GPTModel(nn.Module):
                  params_dtype: torch.dtype = torch.float32, device=None) -> None:
         super().__init__()
         self.config, self.pre_process, self.post_process = config, pre_process, post_process
+        spec = TransformerSpec.from_config(config)
+        self.share_embeddings_and_output_weights = spec.tie_output
         self.layer_range = layer_range or pipeline_layer_range(config.num_layers)
         kw = dict(group=group, params_dtype=params_dtype, device=device)
-        if pre_process or post_process:
+        tied_head = post_process and spec.tie_output
+        if pre_process or tied_head:
             self.embedding = Embedding(config, init_seed, word_only=not pre_process, **kw)
-        if post_process and not pre_process:
+        if tied_head and not pre_process:
             share_embedding_with_first_stage(self.embedding.word_embeddings.weight)
+        self.rotary = RotaryEmbedding(**vars(spec.rotary)) if spec.rotary else None
         self.encoder = ParallelTransformer(config, self.layer_range, init_seed, **kw)
         if post_process:
             self.final_layernorm = layer_norm(config, params_dtype, device)
+        if post_process and not spec.tie_output:
+            with init_scope(init_seed, "output_layer"):
+                self.output_layer = VocabParallelEmbedding(
+                    config.vocab_size, config.hidden_size,
+                    init_method=init_method_normal(config.init_method_std),
+                    make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, **kw)
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hidden states [s, b, h] received from the previous stage."""
         self.input_tensor = tensor
+
+    def output_weights(self) -> VocabParallelEmbedding:
+        """The vocab-parallel output layer of the last stage (tied or separate)."""
+        return self.embedding.word_embeddings if self.share_embeddings_and_output_weights \
+            else self.output_layer
+
+    def _rotary(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None):
+        if self.rotary is None:
+            return None
+        if position_ids is None:
+            s = input_ids.shape[1] if input_ids is not None else self.input_tensor.shape[0]
+            device = self.rotary.inv_freq.device if input_ids is None else input_ids.device
+            position_ids = torch.arange(s, device=device).unsqueeze(0)
+        return self.rotary(position_ids)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,10 +128,10 @@ class GPTModel(nn.Module):
                                self.config.hidden_dropout, self.training)
         else:
             hidden = self.input_tensor
-        hidden = self.encoder(hidden)
+        hidden = self.encoder(hidden, rotary=self._rotary(input_ids, position_ids))
         if not self.post_process:
             return hidden
-        logits = self.embedding.word_embeddings.lm_logits(self.final_layernorm(hidden))
+        logits = self.output_weights().lm_logits(self.final_layernorm(hidden))
         if labels is None:
             return logits.transpose(0, 1)
         return vocab_parallel_cross_entropy(logits, labels.t()).t()

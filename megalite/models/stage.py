@@ -6,7 +6,7 @@ from torch import nn
 
 from megalite.models.sharding import unwrap
 from megalite.mpu import comm, parallel_state
-from megalite.mpu.layers import VocabParallelEmbedding
+from megalite.mpu.layers import VocabParallelEmbedding, allreduce_tp_partial_grads
 
 
 def pipeline_layer_range(num_layers: int, pp_size: int | None = None, pp_rank: int | None = None,
@@ -84,3 +84,14 @@ def allreduce_shared_embedding_grads(model: nn.Module | list[nn.Module]) -> None
         grad = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
         if grad is not None:
             comm.all_reduce(grad, parallel_state.get_embedding_group())
+
+
+def finalize_model_grads(model: list[nn.Module]) -> None:
+    """Make every grad final after the last backward of a step (Megatron's name): finish the
+    data-parallel reduction of wrapped chunks, sum the grads that TP ranks hold only in part
+    (KV groups replicated for GQA; TP group), and the tied embedding's (embedding group)."""
+    for chunk in model:
+        if hasattr(chunk, "finish_grad_sync"):
+            chunk.finish_grad_sync()
+    allreduce_tp_partial_grads([p for chunk in model for p in chunk.parameters()])
+    allreduce_shared_embedding_grads(model)

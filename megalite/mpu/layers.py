@@ -2,7 +2,12 @@
 
 Weights are initialised at full size with the caller's RNG and then sliced, so the same
 seed gives the same full weights for any TP size. Sharded parameters carry
-`tensor_model_parallel = True` and `partition_dim`; replicated ones carry False.
+`tensor_model_parallel = True`, `partition_dim`, `partition_stride` (the full tensor is
+`stride` blocks along that dim, each split over the shards: SwiGLU's [gate; up]) and
+`tp_replicas` (consecutive TP ranks holding the same shard: GQA with fewer KV groups than
+TP ranks); replicated ones carry `tensor_model_parallel = False`. A parameter whose copies
+each see only part of its gradient carries `tp_grad_partial = True`
+(see `allreduce_tp_partial_grads`).
 """
 import math
 from collections.abc import Callable
@@ -32,9 +37,24 @@ def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
 
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
-                                         partition_dim: int = 0) -> None:
+                                         partition_dim: int = 0, stride: int = 1,
+                                         replicas: int = 1) -> None:
     param.tensor_model_parallel = is_parallel
     param.partition_dim = partition_dim
+    param.partition_stride = stride
+    param.tp_replicas = replicas
+
+
+def _split_shards(full: torch.Tensor, dim: int, stride: int, shards: int) -> list[torch.Tensor]:
+    """`shards` slices of `full` along `dim`: slice i is the i-th chunk of each of `stride` blocks."""
+    blocks = [block.chunk(shards, dim=dim) for block in full.chunk(stride, dim=dim)]
+    return [torch.cat([block[i] for block in blocks], dim=dim) for i in range(shards)]
+
+
+def _join_shards(parts: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of _split_shards."""
+    blocks = [part.chunk(stride, dim=dim) for part in parts]
+    return torch.cat([blocks[i][j] for j in range(stride) for i in range(len(parts))], dim=dim)
 
 
 def _group_info(group) -> tuple[object, int, int]:
@@ -45,13 +65,16 @@ def _group_info(group) -> tuple[object, int, int]:
 
 
 def _sharded_parameter(full_shape: tuple[int, ...], partition_dim: int, size: int, rank: int,
-                       init_method: InitMethod, dtype: torch.dtype, device) -> nn.Parameter:
-    """Initialise the full tensor on CPU in fp32, keep this rank's slice along partition_dim."""
+                       init_method: InitMethod, dtype: torch.dtype, device, stride: int = 1,
+                       replicas: int = 1) -> nn.Parameter:
+    """Initialise the full tensor on CPU in fp32, keep this rank's shard along partition_dim
+    (one of size / replicas shards, `stride` blocks each split)."""
     full = torch.empty(full_shape, dtype=torch.float32)
     init_method(full)
-    local = full.chunk(size, dim=partition_dim)[rank]
+    shards = size // replicas
+    local = _split_shards(full, partition_dim, stride, shards)[rank // replicas]
     param = nn.Parameter(local.to(device=device, dtype=dtype).contiguous())
-    set_tensor_model_parallel_attributes(param, size > 1, partition_dim)
+    set_tensor_model_parallel_attributes(param, shards > 1, partition_dim, stride, replicas)
     return param
 
 
@@ -73,21 +96,33 @@ class ColumnParallelLinear(nn.Module):
 
     forward(x [..., in]) -> (y [..., out/tp] or [..., out] if gather_output, bias or None).
     The grad of x is all-reduced on the TP group (copy_to_tensor_model_parallel_region).
+    `stride` > 1: the output is `stride` blocks (SwiGLU's [gate; up]), each split over TP.
+    `tp_replicas` > 1: groups of that many consecutive TP ranks hold the same out/(tp/replicas)
+    slice (GQA's KV groups when TP > groups); their weight grads are partial sums, added up by
+    `allreduce_tp_partial_grads`. gather_output needs tp_replicas = 1.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
                  gather_output: bool = False, init_method: InitMethod | None = None,
                  skip_bias_add: bool = False, group=None, params_dtype: torch.dtype = torch.float32,
-                 device=None) -> None:
+                 device=None, stride: int = 1, tp_replicas: int = 1) -> None:
         super().__init__()
         self.group, size, rank = _group_info(group)
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        self.output_size_per_partition = _divide(output_size, size, "output_size")
+        if size % tp_replicas:
+            raise ValueError(f"tp_replicas ({tp_replicas}) must divide the tensor-parallel size "
+                             f"({size})")
+        shards = size // tp_replicas
+        self.output_size_per_partition = _divide(output_size, shards, "output_size")
         init_method = init_method or init_method_normal(0.02)
         self.weight = _sharded_parameter((output_size, input_size), 0, size, rank, init_method,
-                                         params_dtype, device)
-        self.bias = _bias(self.output_size_per_partition, params_dtype, device, size > 1) \
-            if bias else None
+                                         params_dtype, device, stride, tp_replicas)
+        self.bias = None
+        if bias:
+            self.bias = _bias(self.output_size_per_partition, params_dtype, device, shards > 1)
+            set_tensor_model_parallel_attributes(self.bias, shards > 1, 0, stride, tp_replicas)
+        for param in self.parameters():
+            param.tp_grad_partial = tp_replicas > 1 and size > 1
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = copy_to_tensor_model_parallel_region(x, self.group)
@@ -203,15 +238,20 @@ class _MaskVocabPadding(torch.autograd.Function):
         return grad, None
 
 
+def _is_sharded(param: torch.Tensor, size: int) -> bool:
+    return getattr(param, "tensor_model_parallel", False) and size > 1
+
+
 def gather_tensor_parallel(tensor: torch.Tensor, param: torch.Tensor, group=None) -> torch.Tensor:
     """The full tensor (e.g. a weight or its grad) from every TP rank's shard of `param`.
 
-    All-gathers along `param.partition_dim` on the TP group; vocabulary padding is dropped.
+    All-gathers along `param.partition_dim` on the TP group (one copy of each replicated
+    shard kept, strided blocks reassembled); vocabulary padding is dropped.
     """
     group, size, _ = _group_info(group)
-    if getattr(param, "tensor_model_parallel", False) and size > 1:
-        tensor = torch.cat(comm.all_gather_stacked(tensor, group).unbind(0),
-                           dim=param.partition_dim)
+    if _is_sharded(param, size):
+        shards = comm.all_gather_stacked(tensor, group).unbind(0)[::param.tp_replicas]
+        tensor = _join_shards(list(shards), param.partition_dim, param.partition_stride)
     rows = getattr(param, "unpadded_rows", None)
     return tensor[:rows] if rows is not None else tensor
 
@@ -223,10 +263,36 @@ def shard_tensor_parallel(full: torch.Tensor, param: torch.Tensor, group=None) -
     if rows is not None:
         if full.shape[0] != rows:
             raise ValueError(f"embedding has {full.shape[0]} rows, expected vocab size {rows}")
-        padded = param.shape[0] * (size if getattr(param, "tensor_model_parallel", False) else 1)
+        padded = param.shape[0] * (size if _is_sharded(param, size) else 1)
         full = torch.cat([full, full.new_zeros((padded - rows,) + full.shape[1:])])
-    if getattr(param, "tensor_model_parallel", False) and size > 1:
-        full = full.chunk(size, dim=param.partition_dim)[rank]
+    if _is_sharded(param, size):
+        replicas = param.tp_replicas
+        full = _split_shards(full, param.partition_dim, param.partition_stride,
+                             size // replicas)[rank // replicas]
     if full.shape != param.shape:
         raise ValueError(f"shape {tuple(full.shape)} does not fit parameter {tuple(param.shape)}")
     return full
+
+
+def allreduce_tp_partial_grads(params: list[nn.Parameter], group=None) -> None:
+    """Sum the grads of parameters marked `tp_grad_partial` over the TP ranks that hold the
+    same shard (one all-reduce on the TP group for all of them; each rank adds its grad into
+    its shard's slot of a zero buffer). Reads and writes `main_grad` when present, else `grad`.
+    """
+    group, size, rank = _group_info(group)
+    grads = [(p, getattr(p, "main_grad", p.grad)) for p in params
+             if getattr(p, "tp_grad_partial", False)]
+    grads = [(p, g) for p, g in grads if g is not None]
+    if size == 1 or not grads:
+        return
+    slots = []
+    for param, grad in grads:
+        replicas = param.tp_replicas if _is_sharded(param, size) else size
+        slot = grad.new_zeros(size // replicas, grad.numel())
+        slot[rank // replicas] = grad.reshape(-1)
+        slots.append(slot)
+    flat = torch.cat([slot.reshape(-1) for slot in slots])
+    comm.all_reduce(flat, group)
+    for (param, grad), summed in zip(grads, flat.split([slot.numel() for slot in slots])):
+        replicas = param.tp_replicas if _is_sharded(param, size) else size
+        grad.copy_(summed.view(size // replicas, -1)[rank // replicas].view_as(grad))

@@ -6,8 +6,8 @@ One training step, in this order (megalite.training.train_step):
     for chunk in model: chunk.zero_grad_buffer()          # DistributedDataParallel
     optimizer.zero_grad()
     forward_backward(..., loss_scale=optimizer.loss_scale)  # executor scales the loss
-    for chunk in model: chunk.finish_grad_sync()          # DP mean in param.main_grad
-    allreduce_shared_embedding_grads(model)               # megalite.models.stage
+    finalize_model_grads(model)   # megalite.models.stage: DP mean in param.main_grad,
+                                  # TP-partial grads summed, tied embedding grads summed
     stepped, grad_norm = optimizer.step()                 # False: fp16 overflow, skipped
     if stepped: scheduler.step()
 

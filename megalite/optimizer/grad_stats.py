@@ -11,13 +11,16 @@ def counts_toward_norm(param: nn.Parameter) -> bool:
     """Whether this rank's copy of `param` enters the global norm.
 
     TP-replicated params (`tensor_model_parallel` False: norms, row-parallel biases, position
-    embeddings) count on TP rank 0 only; the last stage's copy of the tied word embedding
+    embeddings) count on TP rank 0 only, a shard held by `tp_replicas` ranks (GQA's KV groups)
+    on the first of them; the last stage's copy of the tied word embedding
     (`shared_embedding_copy`) never counts (the first stage's does).
     """
     if getattr(param, "shared_embedding_copy", False):
         return False
-    return (getattr(param, "tensor_model_parallel", False)
-            or parallel_state.get_tensor_model_parallel_rank() == 0)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    if getattr(param, "tensor_model_parallel", False):
+        return rank % getattr(param, "tp_replicas", 1) == 0
+    return rank == 0
 
 
 def global_grad_norm(grads: list[torch.Tensor], groups: list, device: torch.device) -> float:

@@ -1,0 +1,141 @@
+"""What a transformer layer is made of, as data: the spec the layer and stack are built from.
+
+`TransformerSpec.from_config(ModelConfig)` reads the Megatron-style flags once; GPT-2, BERT
+and Llama differ only in the values (see `megalite.hf` for the configs each family maps to).
+The spec is also the one place that knows the layer's parameter and FLOP counts, and which
+pipeline stage a parameter name belongs to.
+"""
+from dataclasses import asdict, dataclass
+
+from megalite.config import ModelConfig
+
+LAYER_PREFIX = "encoder.layers."
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Keyword arguments of megalite.mpu.ParallelAttention (less init and placement)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    qkv_bias: bool
+    output_bias: bool
+    causal: bool
+    attention_dropout: float
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """Keyword arguments of megalite.mpu.ParallelMLP (less init and placement)."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    activation: str
+    bias: bool
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """Keyword arguments of megalite.mpu.rotary.RotaryEmbedding."""
+
+    head_dim: int
+    base: float
+    scaling: dict | None
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """norm -> attention -> residual -> norm -> MLP -> residual (pre-norm), or the norms after
+    the residual adds (post-norm, BERT); positions learned or rotary; output tied or not."""
+
+    normalization: str
+    norm_epsilon: float
+    post_norm: bool
+    position_embedding: str
+    rotary: RotarySpec | None
+    attention: AttentionSpec
+    mlp: MLPSpec
+    hidden_dropout: float
+    tie_output: bool
+
+    @classmethod
+    def from_config(cls, c: ModelConfig) -> "TransformerSpec":
+        bias = not c.disable_bias_linear
+        scaling = None
+        if c.use_rope_scaling:
+            scaling = dict(factor=c.rope_scaling_factor, low_freq_factor=c.rope_low_freq_factor,
+                           high_freq_factor=c.rope_high_freq_factor,
+                           original_max_positions=c.rope_original_max_position_embeddings)
+        rope = c.position_embedding_type == "rope"
+        return cls(
+            normalization=c.normalization, norm_epsilon=c.norm_epsilon,
+            post_norm=c.post_layernorm, position_embedding=c.position_embedding_type,
+            rotary=RotarySpec(c.head_dim, c.rotary_base, scaling) if rope else None,
+            attention=AttentionSpec(c.hidden_size, c.num_attention_heads, c.query_groups,
+                                    c.head_dim, bias or c.add_qkv_bias, bias, c.causal,
+                                    c.attention_dropout),
+            mlp=MLPSpec(c.hidden_size, c.ffn_hidden_size,
+                        "swiglu" if c.swiglu else c.activation, bias),
+            hidden_dropout=c.hidden_dropout,
+            tie_output=not c.untie_embeddings_and_output_weights)
+
+    def attention_kwargs(self) -> dict:
+        return asdict(self.attention)
+
+    def mlp_kwargs(self) -> dict:
+        return asdict(self.mlp)
+
+    # --- counts (Megatron's formulas, generalised to GQA, SwiGLU and biases) ---
+
+    def layer_matmul_params(self) -> int:
+        """Weights of the layer's linear projections: Q, K and V, output, MLP (3 with SwiGLU)."""
+        a, m = self.attention, self.mlp
+        q = a.num_attention_heads * a.kv_channels
+        kv = 2 * a.num_query_groups * a.kv_channels
+        mlp_in = (2 if m.activation == "swiglu" else 1) * m.ffn_hidden_size
+        return a.hidden_size * (q + kv) + q * a.hidden_size + m.hidden_size * (mlp_in
+                                                                                + m.ffn_hidden_size)
+
+    def layer_params(self, tp: int = 1) -> int:
+        """Parameters of one layer on one TP rank: split weights and biases / tp (KV groups
+        replicated when TP exceeds them), output and MLP-output biases and norms whole."""
+        a, m = self.attention, self.mlp
+        h, q = a.hidden_size, a.num_attention_heads * a.kv_channels
+        kv = 2 * a.num_query_groups * a.kv_channels
+        kv_shards = min(tp, a.num_query_groups)
+        mlp_in = (2 if m.activation == "swiglu" else 1) * m.ffn_hidden_size
+        split = (h * q + q * h + h * mlp_in + m.ffn_hidden_size * h) // tp + h * kv // kv_shards
+        split_bias = (q // tp + kv // kv_shards if a.qkv_bias else 0) + (
+            mlp_in // tp if m.bias else 0)
+        whole_bias = (h if a.output_bias else 0) + (h if m.bias else 0)
+        return split + split_bias + whole_bias + 2 * self.norm_params(h)
+
+    def norm_params(self, h: int) -> int:
+        return 2 * h if self.normalization == "LayerNorm" else h
+
+    def forward_flops_per_token(self, num_layers: int, seq_length: int,
+                                padded_vocab: int) -> float:
+        """Forward FLOPs per token: 2 per matmul weight, attention scores and values
+        4 s heads d per layer (full s, as Megatron counts), logits 2 h V."""
+        a = self.attention
+        per_layer = 2 * self.layer_matmul_params() + 4 * seq_length * (a.num_attention_heads
+                                                                       * a.kv_channels)
+        return num_layers * per_layer + 2 * a.hidden_size * padded_vocab
+
+
+def layer_index(name: str) -> int | None:
+    """Global layer of a parameter name (`encoder.layers.7.mlp...` -> 7), None outside layers."""
+    if not name.startswith(LAYER_PREFIX):
+        return None
+    return int(name[len(LAYER_PREFIX):].split(".", 1)[0])
+
+
+def stage_of(name: str, num_layers: int, pp: int) -> int:
+    """Pipeline stage that owns parameter `name` under `pp` equal stages: layers by index,
+    embeddings on the first stage, final norm and head on the last."""
+    layer = layer_index(name)
+    if layer is not None:
+        return layer // (num_layers // pp)
+    return 0 if name.startswith("embedding.") else pp - 1

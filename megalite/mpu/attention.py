@@ -1,0 +1,144 @@
+"""Tensor-parallel self-attention from plain arguments: MHA, GQA and MQA, optional RoPE.
+
+Query heads are split over the TP group. With `num_query_groups` KV groups (heads / groups
+query heads share one K and V):
+- groups == heads (MHA): one fused QKV projection laid out head-major
+  [heads, (q, k, v), d] along its output, so a contiguous split keeps whole heads;
+- groups < heads: a query projection [heads, d] and a key-value projection [groups, (k, v), d];
+  when TP divides the groups each rank holds groups/TP of them, when TP is a multiple of the
+  groups each KV group is replicated on the TP/groups ranks whose query heads use it (weights
+  identical, grads summed by `allreduce_tp_partial_grads`).
+One all-reduce on the TP group after the output projection in forward, one for the input
+grad in backward.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.mpu import comm, parallel_state
+from megalite.mpu.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
+from megalite.mpu.random import checkpoint, get_rng_tracker
+from megalite.mpu.rotary import apply_rotary
+
+
+def check_attention_partition(num_attention_heads: int, num_query_groups: int, tp: int) -> None:
+    """One clear ValueError when heads / groups / TP cannot be split (no collective)."""
+    if num_attention_heads <= 0 or num_query_groups <= 0:
+        raise ValueError(f"--num-attention-heads ({num_attention_heads}) and --num-query-groups "
+                         f"({num_query_groups}) must be positive")
+    if num_attention_heads % num_query_groups:
+        raise ValueError(f"--num-attention-heads ({num_attention_heads}) must be divisible by "
+                         f"--num-query-groups ({num_query_groups})")
+    if num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads ({num_attention_heads}) must be divisible by "
+                         f"the tensor-parallel size ({tp})")
+    if num_query_groups % tp and tp % num_query_groups:
+        raise ValueError(f"--num-query-groups ({num_query_groups}) must be a multiple or a "
+                         f"divisor of the tensor-parallel size ({tp})")
+
+
+class ParallelAttention(nn.Module):
+    """forward(x [s, b, h], attention_mask [b, 1, 1|s, s] bool (True = attend) | None,
+    rotary (cos, sin) [b, 1, s, d] | None, recompute_core) -> [s, b, h].
+
+    `causal` adds the causal mask to any given mask. Dropout on the probabilities draws from
+    the TP-rank RNG stream.
+    """
+
+    def __init__(self, hidden_size: int, num_attention_heads: int,
+                 num_query_groups: int | None = None, kv_channels: int | None = None,
+                 qkv_bias: bool = True, output_bias: bool = True, causal: bool = True,
+                 attention_dropout: float = 0.0, init_method: InitMethod | None = None,
+                 output_init_method: InitMethod | None = None, group=None,
+                 params_dtype: torch.dtype = torch.float32, device=None) -> None:
+        super().__init__()
+        group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+        tp = comm.world_size(group)
+        groups = num_query_groups or num_attention_heads
+        check_attention_partition(num_attention_heads, groups, tp)
+        self.head_dim = kv_channels or hidden_size // num_attention_heads
+        self.causal, self.attention_dropout = causal, attention_dropout
+        self.heads_per_rank = num_attention_heads // tp
+        self.groups_per_rank = max(groups // tp, 1)
+        d, kw = self.head_dim, dict(init_method=init_method, group=group,
+                                    params_dtype=params_dtype, device=device)
+        self.fused_qkv = groups == num_attention_heads
+        if self.fused_qkv:
+            self.query_key_value = ColumnParallelLinear(hidden_size, 3 * num_attention_heads * d,
+                                                        bias=qkv_bias, **kw)
+        else:
+            self.query = ColumnParallelLinear(hidden_size, num_attention_heads * d, bias=qkv_bias,
+                                              **kw)
+            self.key_value = ColumnParallelLinear(hidden_size, 2 * groups * d, bias=qkv_bias,
+                                                  tp_replicas=max(tp // groups, 1), **kw)
+        self.dense = RowParallelLinear(num_attention_heads * d, hidden_size, bias=output_bias,
+                                       input_is_parallel=True, init_method=output_init_method,
+                                       group=group, params_dtype=params_dtype, device=device)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [s, b, h] -> q [b, heads/tp, s, d], k, v [b, local groups, s, d]."""
+        s, b, _ = x.shape
+        if self.fused_qkv:
+            qkv, _ = self.query_key_value(x)
+            return _SplitQKV.apply(qkv, self.heads_per_rank, self.head_dim)
+        q, _ = self.query(x)
+        kv, _ = self.key_value(x)
+        q = q.view(s, b, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
+        k, v = kv.view(s, b, self.groups_per_rank, 2, self.head_dim).permute(3, 1, 2, 0, 4)
+        return q, k, v
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """q [b, heads/tp, s, d], k, v [b, groups/tp, s, d] -> [b, heads/tp, s, d]."""
+        dropout = self.attention_dropout if self.training else 0.0
+        causal = self.causal and attention_mask is None
+        mask = attention_mask
+        if self.causal and attention_mask is not None:
+            sq, sk = q.shape[2], k.shape[2]
+            mask = attention_mask & torch.ones(sq, sk, dtype=torch.bool,
+                                               device=q.device).tril(sk - sq)
+        if k.shape[1] != q.shape[1]:
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if dropout == 0.0:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        with get_rng_tracker().fork():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                  is_causal=causal)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                recompute_core: bool = False) -> torch.Tensor:
+        s, b, _ = x.shape
+        q, k, v = self._project(x)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if recompute_core:
+            context = checkpoint(self.core_attention, q, k, v, attention_mask)
+        else:
+            context = self.core_attention(q, k, v, attention_mask)
+        out, _ = self.dense(context.permute(2, 0, 1, 3).reshape(s, b, -1))
+        return out
+
+
+class _SplitQKV(torch.autograd.Function):
+    """qkv [s, b, heads * (q, k, v) * d] -> q, k, v [b, heads, s, d], strided views, no copy
+    (SDPA's CPU flash kernel and CUDA kernels take them as they are).
+
+    Backward stacks the three grads straight into the [s, b, heads, 3, d] layout: one copy,
+    where autograd's unbind + permute + view backward stacks them and then makes a strided
+    copy (about 4x slower on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, heads, head_dim):
+        s, b, _ = qkv.shape
+        ctx.shape = qkv.shape
+        return qkv.view(s, b, heads, 3, head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [g.permute(2, 0, 1, 3) if g is not None else None for g in grads]
+        like = next(g for g in grads if g is not None)
+        grads = [torch.zeros_like(like) if g is None else g for g in grads]
+        return torch.stack(grads, dim=3).view(ctx.shape), None, None

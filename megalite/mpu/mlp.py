@@ -1,0 +1,45 @@
+"""Tensor-parallel MLP from plain arguments: GeLU (exact or tanh) or SwiGLU."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.mpu.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+
+
+class ParallelMLP(nn.Module):
+    """h -> ffn/tp (column-parallel) -> activation -> h (row-parallel, one all-reduce on the
+    TP group). [s, b, h] -> [s, b, h].
+
+    SwiGLU: the first projection is [gate; up] (2 ffn outputs, each split over TP, so every
+    rank holds matching halves) and the activation is silu(gate) * up.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu_tanh",
+                 bias: bool = True, init_method: InitMethod | None = None,
+                 output_init_method: InitMethod | None = None, group=None,
+                 params_dtype: torch.dtype = torch.float32, device=None) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
+        self.activation = activation
+        gated = activation == "swiglu"
+        kw = dict(bias=bias, group=group, params_dtype=params_dtype, device=device)
+        self.dense_h_to_4h = ColumnParallelLinear(
+            hidden_size, 2 * ffn_hidden_size if gated else ffn_hidden_size,
+            init_method=init_method, stride=2 if gated else 1, **kw)
+        self.dense_4h_to_h = RowParallelLinear(ffn_hidden_size, hidden_size,
+                                               input_is_parallel=True,
+                                               init_method=output_init_method, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.dense_h_to_4h(x)
+        if self.activation == "swiglu":
+            gate, up = hidden.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(hidden, approximate="tanh" if self.activation == "gelu_tanh"
+                            else "none")
+        out, _ = self.dense_4h_to_h(hidden)
+        return out
