@@ -1,12 +1,15 @@
-"""Training throughput of megalite's GPTModel vs transformers' GPT2LMHeadModel, one process.
+"""Training throughput of megalite's GPTModel vs transformers' GPT2LMHeadModel (or, with
+--model llama, LlamaForCausalLM), one process.
 
     python tools/bench_gpt.py                       # reference config, fp32 and bf16, CPU
+    python tools/bench_gpt.py --model llama --precisions fp32   # 8 heads, 2 KV groups, FFN 1408
     python tools/bench_gpt.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \\
         --vocab-size 50257 --seq-length 2048 --micro-batch-size 8 --precisions bf16 \\
         --device cuda                               # GPT-2 medium (~350M) on a GPU
 
 Both models have the same config and the same random weights (the HF model is built from
-a GPT2Config, `load_gpt2` copies its state dict into megalite; nothing is downloaded) and
+a GPT2Config / LlamaConfig, `load_gpt2` / `load_llama` copies its state dict into megalite;
+nothing is downloaded) and
 train on the same batch with the same optimizer: AdamW (torch fused kernel), lr 1e-4,
 weight decay 0.01 except biases and norms, global grad-norm clipping at 1.0, dropout off.
 One step = zero grads, forward, loss, backward, clip, optimizer step.
@@ -20,8 +23,8 @@ One step = zero grads, forward, loss, backward, clip, optimizer step.
 
 Steps alternate A/B (HF, megalite, megalite, HF, ...) after warm-up, all in this one run;
 medians are reported. Model FLOPs per token (what MFU counts, causal masking not
-discounted): 6 N + 12 L s h, N = parameters without the position embedding, the tied
-word embedding counted once (it is the LM head's matmul). The peak is measured here:
+discounted): 6 N + 12 L s a d, N = parameters without the position embedding, the tied
+word embedding counted once (it is the LM head's matmul), a d = heads x head dim. The peak is measured here:
 large square matmuls (n = --peak-size) in fp32 and bf16 with the same threads, 5 before
 and 5 after the steps; the peak is the best of them (on a shared VM the median moves with
 other tenants' load, the best does not). On CUDA the table's MFU also uses the H100 SXM
@@ -47,8 +50,8 @@ from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
 from megalite.device import init_distributed  # noqa: E402
 from megalite.distributed import DistributedDataParallel  # noqa: E402
-from megalite.hf import load_gpt2, to_gpt2_config  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
+from megalite.hf import load_gpt2, load_llama, to_gpt2_config, to_llama_config  # noqa: E402
+from megalite.models import GPTModel, TransformerSpec  # noqa: E402
 from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
 from megalite.optimizer import get_optimizer  # noqa: E402
 from megalite.training import RunShape, train_step  # noqa: E402
@@ -60,6 +63,12 @@ LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="gpt2", choices=sorted(FAMILIES),
+                   help="gpt2: GPT2LMHeadModel; llama: LlamaForCausalLM (RMSNorm, rope, SwiGLU, "
+                        "GQA, untied head)")
+    p.add_argument("--num-query-groups", type=int, default=2, help="llama: KV groups")
+    p.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP width (default: 4h for gpt2, 1408 for llama)")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--num-attention-heads", type=int, default=8)
@@ -103,12 +112,10 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 5)
 
 
 def flops_per_token(config: ModelConfig, seq: int) -> tuple[float, int]:
-    """(6 N + 12 L s h, N): N without position embeddings, tied LM head counted once."""
-    h, layers, v = config.hidden_size, config.num_layers, config.vocab_size
-    ffn = config.ffn_hidden_size
-    per_layer = (3 * h * h + 3 * h) + (h * h + h) + (h * ffn + ffn) + (ffn * h + h) + 4 * h
-    n = layers * per_layer + 2 * h + v * h
-    return 6 * n + 12 * layers * seq * h, n
+    """(6 N + 12 L s a d, N): N without position embeddings, tied LM head counted once."""
+    spec = TransformerSpec.from_config(config)
+    n = config.num_layers * spec.layer_params() + spec.non_layer_params(config.vocab_size, 0)
+    return 6 * n + 12 * config.num_layers * seq * config.num_attention_heads * config.head_dim, n
 
 
 def decay_groups(model: torch.nn.Module) -> list[dict]:
@@ -141,8 +148,8 @@ class HFRunner:
 class MegaliteRunner:
     """megalite GPTModel through training.train_step: DDP wrapper + get_optimizer."""
 
-    def __init__(self, config: ModelConfig, hf_state: dict, precision: str, seq: int, micro: int,
-                 device: torch.device, compile_layers: bool = False) -> None:
+    def __init__(self, family: str, config: ModelConfig, hf_state: dict, precision: str, seq: int,
+                 micro: int, device: torch.device, compile_layers: bool = False) -> None:
         prec = PrecisionConfig(bf16=precision == "bf16")
         opt = OptimizerConfig(lr=LR, min_lr=LR, lr_decay_style="constant",
                               weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.95,
@@ -151,7 +158,7 @@ class MegaliteRunner:
                                TrainConfig(micro_batch_size=micro, seq_length=seq,
                                            train_iters=10 ** 6), DataConfig(), CheckpointConfig())
         model = GPTModel(config, params_dtype=prec.params_dtype, device=device)
-        load_gpt2(model, hf_state)
+        FAMILIES[family][1](model, hf_state)
         if compile_layers:
             for layer in model.encoder.layers.values():
                 layer.compile()
@@ -168,12 +175,45 @@ class MegaliteRunner:
         return loss
 
 
-def build_hf(config: ModelConfig, device: torch.device):
+def _hf_gpt2(config: ModelConfig):
     from transformers import GPT2LMHeadModel
     hf_config = to_gpt2_config(config)
     hf_config.bos_token_id = hf_config.eos_token_id = config.vocab_size - 1
+    return GPT2LMHeadModel(hf_config)
+
+
+def _hf_llama(config: ModelConfig):
+    from transformers import LlamaForCausalLM
+    hf_config = to_llama_config(config)
+    hf_config.bos_token_id = hf_config.eos_token_id = config.vocab_size - 1
+    return LlamaForCausalLM(hf_config)
+
+
+# family -> (HF model from a megalite config, loader of an HF state dict into megalite,
+#            the family's flags over the shared shape)
+FAMILIES = {
+    "gpt2": (_hf_gpt2, load_gpt2, {}),
+    "llama": (_hf_llama, load_llama, dict(
+        normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+        group_query_attention=True, disable_bias_linear=True,
+        untie_embeddings_and_output_weights=True)),
+}
+
+
+def build_config(args) -> ModelConfig:
+    family_flags = dict(FAMILIES[args.model][2])
+    if args.model == "llama":
+        family_flags["num_query_groups"] = args.num_query_groups
+    ffn = args.ffn_hidden_size or (1408 if args.model == "llama" else 4 * args.hidden_size)
+    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
+                       ffn_hidden_size=ffn, max_position_embeddings=args.seq_length,
+                       hidden_dropout=0.0, attention_dropout=0.0, **family_flags)
+
+
+def build_hf(family: str, config: ModelConfig, device: torch.device):
     torch.manual_seed(0)
-    return GPT2LMHeadModel(hf_config).to(device).train()
+    return FAMILIES[family][0](config).to(device).train()
 
 
 def check_same_weights(hf, ours: MegaliteRunner, tokens: torch.Tensor, precision: str) -> float:
@@ -186,8 +226,8 @@ def check_same_weights(hf, ours: MegaliteRunner, tokens: torch.Tensor, precision
 
 
 def run_models(args, config: ModelConfig, precision: str, device: torch.device, tokens):
-    hf = build_hf(config, device)
-    ours = MegaliteRunner(config, hf.state_dict(), precision, args.seq_length,
+    hf = build_hf(args.model, config, device)
+    ours = MegaliteRunner(args.model, config, hf.state_dict(), precision, args.seq_length,
                           args.micro_batch_size, device, getattr(args, "compile", False))
     err = check_same_weights(hf, ours, tokens, precision)
     limit = 1e-4 if precision == "fp32" else 5e-2
@@ -237,19 +277,17 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
 
-    config = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                         num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
-                         max_position_embeddings=args.seq_length, hidden_dropout=0.0,
-                         attention_dropout=0.0)
+    config = build_config(args)
     s, b = args.seq_length, args.micro_batch_size
     torch.manual_seed(1)
     tokens = torch.randint(0, args.vocab_size, (b, s + 1), device=device)
     fpt, n_params = flops_per_token(config, s)
     import transformers
-    print(f"GPT: L {config.num_layers}, h {config.hidden_size}, a {config.num_attention_heads}, "
-          f"V {config.vocab_size}, s {s}, b {b} ({b * s} tokens/step); N = {n_params / 1e6:.2f} M "
-          f"(w/o position embeddings, tied head once); model FLOPs/token 6N + 12Lsh = "
-          f"{fpt / 1e6:.1f} M")
+    print(f"{args.model}: L {config.num_layers}, h {config.hidden_size}, a "
+          f"{config.num_attention_heads}, KV groups {config.query_groups}, ffn "
+          f"{config.ffn_hidden_size}, V {config.vocab_size}, s {s}, b {b} ({b * s} tokens/step); "
+          f"N = {n_params / 1e6:.2f} M (w/o position embeddings, tied head once); model "
+          f"FLOPs/token 6N + 12Lsad = {fpt / 1e6:.1f} M")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, device "
           f"{device.type}" + (f", {torch.get_num_threads()} threads" if device.type == "cpu"
                               else f" ({torch.cuda.get_device_name()})")
