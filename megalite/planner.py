@@ -17,6 +17,7 @@ from fractions import Fraction
 from megalite.config import Configs, ModelConfig
 from megalite.metrics import flops_per_iteration
 from megalite.mpu.layers import pad_vocab_size
+from megalite.schedules import resolve_schedule
 
 # Megatron's bytes per parameter: (parameters, gradients, optimizer states); the distributed
 # optimizer shards the optimizer states (fp32 main params, fp16's fp32 main grads, Adam m, v).
@@ -258,7 +259,7 @@ def plan(configs: Configs, sequence_parallel: bool = False) -> Plan:
     dp = par.data_parallel_size or 1
     shape = validate_configs(configs, tp * pp * dp)
     m = shape.num_microbatches
-    schedule = "interleaved" if v > 1 else par.pipeline_schedule if pp > 1 else "1f1b"
+    schedule = resolve_schedule(par.pipeline_schedule, pp, par.virtual_pipeline_model_parallel_size)
     precision = precision_name(configs)
     e = ACTIVATION_BYTES[precision]
     padded_vocab = pad_vocab_size(configs.model.vocab_size,

@@ -1,6 +1,7 @@
 """Tensor-parallel layers: vocab-parallel embedding, column- and row-parallel linear.
 
-Weights are initialised at full size with the caller's RNG and then sliced, so the same
+The linear layers' weight grads can be deferred (`megalite.mpu.weight_grad`, for the
+zero-bubble pipeline schedules). Weights are initialised at full size with the caller's RNG and then sliced, so the same
 seed gives the same full weights for any TP size. Sharded parameters carry
 `tensor_model_parallel = True` and `partition_dim`; replicated ones carry False.
 """
@@ -16,6 +17,7 @@ from megalite.mpu.mappings import (copy_to_tensor_model_parallel_region,
                                    gather_from_tensor_model_parallel_region,
                                    reduce_from_tensor_model_parallel_region,
                                    scatter_to_tensor_model_parallel_region)
+from megalite.mpu.weight_grad import linear
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -92,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = copy_to_tensor_model_parallel_region(x, self.group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        y = linear(x, self.weight, bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -121,7 +123,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.group)
+        y = reduce_from_tensor_model_parallel_region(linear(x, self.weight), self.group)
         if self.skip_bias_add or self.bias is None:
             return y, self.bias
         return y + self.bias, None
@@ -174,7 +176,7 @@ class VocabParallelEmbedding(nn.Module):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied output layer: hidden [..., h] -> vocab-parallel logits [..., V_padded/tp]."""
         hidden = copy_to_tensor_model_parallel_region(hidden, self.group)
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if not self.num_padding_rows:
             return logits
         return _MaskVocabPadding.apply(logits, self.num_padding_rows)
