@@ -11,7 +11,6 @@ activations (microbatches between F and B) and pending weight grads (between B a
 
 import argparse
 import sys
-from fractions import Fraction
 from pathlib import Path
 
 import matplotlib
@@ -21,6 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from megalite.planner import bubble_fraction as bubble_formula  # noqa: E402
 from megalite.schedules.accounting import (bubble_fraction, num_chunks,  # noqa: E402
                                            peak_inflight_activations, peak_pending_weight_grads,
                                            simulate)
@@ -51,10 +51,9 @@ def main() -> None:
         parser.error(str(err))
     timeline = simulate(table)
     bubble = bubble_fraction(table)
-    closed = {"zb-h1": Fraction(p - 1, 3 * m), "zbv": Fraction(p - 1, 6 * m)}.get(
-        args.schedule, Fraction(p - 1, v * m))
-    print(f"bubble fraction: table {float(bubble):.4f} ({bubble}), closed form {float(closed):.4f} "
-          f"({closed}: (p-1)/(v*m); zb-h1 (p-1)(F+B-W)/(m(F+B+W)); zbv (p-1)(F/2)/(m(F+B+W)))")
+    closed = bubble_formula(args.schedule, p, m, v)
+    print(f"bubble fraction: table {float(bubble):.4f} ({bubble}), planner {float(closed):.4f} "
+          f"({closed}: (p-1)/(v*m); zb-h1 (p-1)(F+B-W)/(m(F+B+W)); zbv: its table)")
     for rank in range(p):
         print(f"rank {rank}: peak in-flight activations "
               f"{peak_inflight_activations(table, rank) / num_chunks(table):g} microbatches, "
