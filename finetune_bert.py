@@ -36,7 +36,7 @@ from megalite.models.sharding import (full_state_dict, gather_pipeline_state_dic
                                       load_full_state_dict)
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import get_optimizer
-from megalite.training import (RunShape, TrainingLogger, build_model, evaluate, log,
+from megalite.training import (RunShape, TrainingLogger, build_model, evaluate, log, log_pipeline,
                                setup_parallel, train_step, validate_configs)
 
 # all-MiniLM-L6-v2 on the built-in task in a few minutes on 2 CPU cores.
@@ -242,6 +242,7 @@ def finetune(configs: Configs) -> FinetuneResult:
     optimizer, scheduler = get_optimizer(configs.optimizer, configs.precision, model,
                                          t.train_iters)
     log(describe(configs, task, shape, world))
+    log_pipeline(configs, shape)
     counts = [count_correct(task.valid, model, configs, shape)]
     log(f"validation accuracy before finetuning: {_accuracy(counts[0])}")
     logger = TrainingLogger(configs, shape, LOSS, flops_per_iteration(

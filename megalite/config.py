@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.data.finetune import COLUMNS
+from megalite.schedules import PIPELINE_SCHEDULES
 
 
 def arg(default, help: str, aliases: tuple[str, ...] = (), choices=None, **kw):
@@ -117,9 +118,16 @@ class ParallelConfig:
         aliases=("--dp",))
     virtual_pipeline_model_parallel_size: int | None = arg(
         None, "model chunks per pipeline rank (interleaved 1F1B)", aliases=("--vpp",))
-    pipeline_schedule: str = arg("1f1b", "pipeline schedule when PP > 1 without VPP",
-                                 choices=("1f1b", "gpipe"))
+    pipeline_schedule: str = arg(
+        "1f1b", "pipeline schedule when PP > 1 (with --vpp and 1f1b: interleaved; zb-h1 and zbv "
+        "split the backward into input and weight grads; zbv runs 2 chunks per rank in V "
+        "placement)", choices=PIPELINE_SCHEDULES)
     distributed_timeout_minutes: float = arg(10.0, "bound on any collective wait")
+
+    def __post_init__(self) -> None:
+        if self.pipeline_schedule == "zbv" and self.virtual_pipeline_model_parallel_size is None \
+                and self.pipeline_model_parallel_size > 1:
+            self.virtual_pipeline_model_parallel_size = 2  # zbv's two chunks per rank
 
 
 @dataclass

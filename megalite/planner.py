@@ -4,12 +4,13 @@ The formulas are Megatron-LM's (REFERENCES.md): bytes per parameter of the model
 (plain vs distributed optimizer), activations per layer after Korthikanti et al. 2022
 (generalised to e-byte activations: masks stay 1 byte, so 2-byte sbh(34 + 5as/h) becomes
 sbh(16e + 2 + (2e + 1)as/h)), the in-flight microbatches of the pipeline schedule,
-Narayanan et al. 2021's FLOPs and bubble, and the bytes the TP, PP and DP collectives
-move. Byte counts are "payload" (the tensors handed to a collective, what
-`megalite.mpu.comm` counts) and "wire" (what one rank sends on a ring: an all-reduce of
-S bytes over n ranks sends 2(n-1)/n S, a reduce-scatter of S (n-1)/n S, an all-gather of
-shards of S (n-1) S, a point-to-point message its size).
+Narayanan et al. 2021's FLOPs and bubble (Qi et al. 2024's for the zero-bubble schedules),
+and the bytes the TP, PP and DP collectives move. Byte counts are "payload" (the tensors
+handed to a collective, what `megalite.mpu.comm` counts) and "wire" (what one rank sends
+on a ring: an all-reduce of S bytes over n ranks sends 2(n-1)/n S, a reduce-scatter of
+S (n-1)/n S, an all-gather of shards of S (n-1) S, a point-to-point message its size).
 """
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -18,6 +19,9 @@ from megalite.config import Configs, ModelConfig
 from megalite.metrics import flops_per_iteration
 from megalite.models.spec import TransformerSpec
 from megalite.mpu.layers import pad_vocab_size
+from megalite.schedules import resolve_schedule
+from megalite.schedules.accounting import bubble_fraction as simulated_bubble
+from megalite.schedules.tables import build_schedule
 
 # Megatron's bytes per parameter: (parameters, gradients, optimizer states); the distributed
 # optimizer shards the optimizer states (fp32 main params, fp16's fp32 main grads, Adam m, v).
@@ -86,19 +90,36 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int, act_byte
 
 
 def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> Fraction:
-    """Microbatches (in whole-stage units) whose activations rank `rank` holds at its peak:
-    GPipe m; 1F1B min(p - r, m); interleaved min(2(p-r-1) + (v-1)p + 1, m v) / v chunks,
-    p (1 + (p-1)/(p v)) on rank 0 (Megatron's interleaving penalty)."""
+    """Microbatches (in whole-stage units) whose activations rank `rank` holds at its peak,
+    from forward to (input-grad) backward: GPipe m; 1F1B and ZB-H1 min(p - r, m);
+    interleaved min(2(p-r-1) + (v-1)p + 1, m v) / v chunks, p (1 + (p-1)/(p v)) on rank 0
+    (Megatron's interleaving penalty); ZBV min((m + r + 1) / 2, m, p). The linear layers'
+    inputs and output grads that a deferred weight grad (W) keeps after B are not counted."""
     if schedule == "gpipe":
         return Fraction(m)
     if schedule == "interleaved":
         return Fraction(min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v), v)
+    if schedule == "zbv":
+        return min(Fraction(m + rank + 1, 2), Fraction(min(m, p)))
     return Fraction(min(p - rank, m))
 
 
-def bubble_fraction(p: int, m: int, v: int = 1) -> Fraction:
-    """Idle over compute time: (p-1)/m, and (p-1)/(v m) interleaved."""
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
+    """Idle over compute time with the FLOP ratios F = B = W (input grad and weight grad
+    each cost a forward): (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved, ZB-H1's
+    (p-1)(F+B-W)/(m(F+B+W)) = (p-1)/(3m). ZBV has no closed form for every (p, m): its
+    table is run in the simulator ((p-1)/(6m) for p in {2, 4, 8}, m in {p, 2p}; about a
+    second at p = 16, m = 128)."""
+    if schedule == "zbv":
+        return _simulated_bubble(schedule, p, m, v)
+    if schedule == "zb-h1":
+        return Fraction(p - 1, 3 * m)
     return Fraction(p - 1, v * m)
+
+
+@functools.lru_cache(maxsize=16)
+def _simulated_bubble(schedule: str, p: int, m: int, v: int) -> Fraction:
+    return simulated_bubble(build_schedule(schedule, p, m, v))
 
 
 def ring_wire(kind: str, payload: float, n: int) -> float:
@@ -136,7 +157,7 @@ class Plan:
     configs: Configs
     precision: str
     sequence_parallel: bool
-    schedule: str               # "1f1b", "gpipe" or "interleaved"
+    schedule: str               # a name of megalite.schedules.PIPELINE_SCHEDULES
     padded_vocab: int
     dp: int
     microbatches: int           # per step per DP rank
@@ -163,7 +184,7 @@ class Plan:
     @property
     def bubble(self) -> Fraction:
         p = self.configs.parallel
-        return bubble_fraction(p.pipeline_model_parallel_size, self.microbatches,
+        return bubble_fraction(self.schedule, p.pipeline_model_parallel_size, self.microbatches,
                                p.virtual_pipeline_model_parallel_size or 1)
 
     def step_time(self, peak_tflops: float, mfu: float) -> float:
@@ -260,7 +281,7 @@ def plan(configs: Configs, sequence_parallel: bool = False) -> Plan:
     dp = par.data_parallel_size or 1
     shape = validate_configs(configs, tp * pp * dp)
     m = shape.num_microbatches
-    schedule = "interleaved" if v > 1 else par.pipeline_schedule if pp > 1 else "1f1b"
+    schedule = resolve_schedule(par.pipeline_schedule, pp, par.virtual_pipeline_model_parallel_size)
     precision = precision_name(configs)
     e = ACTIVATION_BYTES[precision]
     padded_vocab = pad_vocab_size(configs.model.vocab_size,

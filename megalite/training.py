@@ -28,7 +28,8 @@ from megalite.mpu.attention import check_attention_partition
 from megalite.mpu.layers import pad_vocab_size
 from megalite.optimizer import get_optimizer
 from megalite.optimizer.scheduler import check_decay_iters
-from megalite.schedules import get_forward_backward_func
+from megalite.schedules import get_forward_backward_func, resolve_schedule
+from megalite.schedules.accounting import pipeline_summary
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,44 @@ def validate_configs(configs: Configs, world_size: int) -> RunShape:
     o = configs.optimizer
     check_decay_iters(o.lr_decay_style, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters)
     microbatches = global_batch // (t.micro_batch_size * dp)
-    if p.virtual_pipeline_model_parallel_size and microbatches % p.pipeline_model_parallel_size:
+    _check_schedule(p, microbatches)
+    return RunShape(dp, global_batch, microbatches)
+
+
+def _check_schedule(p, microbatches: int) -> None:
+    pp, vpp, name = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size, \
+        p.pipeline_schedule
+    schedule = resolve_schedule(name, pp, vpp)
+    if vpp and name in ("gpipe", "zb-h1"):
+        raise ValueError(f"--pipeline-schedule {name} runs one model chunk per rank: drop --vpp "
+                         f"({vpp}) or choose interleaved or zbv")
+    if schedule == "zbv" and vpp != 2:
+        raise ValueError(f"--pipeline-schedule zbv runs 2 model chunks per rank, got --vpp {vpp}")
+    if schedule == "interleaved" and microbatches % pp:
         raise ValueError(f"interleaved schedule: microbatches per step ({microbatches} = "
                          f"--global-batch-size / (--micro-batch-size x DP)) must be a multiple "
-                         f"of --pp ({p.pipeline_model_parallel_size})")
-    return RunShape(dp, global_batch, microbatches)
+                         f"of --pp ({pp})")
+    if schedule == "zb-h1" and microbatches < pp:
+        raise ValueError(f"--pipeline-schedule zb-h1: microbatches per step ({microbatches} = "
+                         f"--global-batch-size / (--micro-batch-size x DP)) must be >= --pp ({pp})")
+
+
+def log_pipeline(configs: Configs, shape: RunShape) -> None:
+    """Log what the pipeline costs: schedule, p, v, m, bubble and peak in-flight microbatches
+    per rank (from the schedule's table), and a warning when m < p."""
+    p = configs.parallel
+    pp = p.pipeline_model_parallel_size
+    if pp == 1:
+        return
+    schedule = resolve_schedule(p.pipeline_schedule, pp, p.virtual_pipeline_model_parallel_size)
+    m = shape.num_microbatches
+    summary = pipeline_summary(schedule, pp, m, p.virtual_pipeline_model_parallel_size or 1)
+    log(summary)
+    if m < pp:
+        need = configs.train.micro_batch_size * shape.data_parallel_size * pp
+        log(f"WARNING: {m} microbatch(es) per step through {pp} pipeline stages: ranks idle "
+            f"most of the step; raise --global-batch-size to at least {need} (micro batch x DP "
+            f"x PP), better 4x that")
 
 
 def log(message: str) -> None:
@@ -95,7 +129,10 @@ def setup_parallel(configs: Configs) -> None:
     p = configs.parallel
     device.init_distributed(timeout_s=p.distributed_timeout_minutes * 60)
     initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                              p.virtual_pipeline_model_parallel_size)
+                              p.virtual_pipeline_model_parallel_size,
+                              v_shape_placement=resolve_schedule(
+                                  p.pipeline_schedule, p.pipeline_model_parallel_size,
+                                  p.virtual_pipeline_model_parallel_size) == "zbv")
     model_parallel_seed(configs.train.seed, ps.get_tensor_model_parallel_rank(),
                         ps.get_pipeline_model_parallel_rank())
 
@@ -270,6 +307,7 @@ def pretrain(configs: Configs, model_provider: Callable, forward_step_func: Call
         f"{configs.parallel.pipeline_model_parallel_size} x DP {shape.data_parallel_size} | "
         f"global batch {shape.global_batch_size} = {shape.num_microbatches} microbatches x "
         f"{t.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
+    log_pipeline(configs, shape)
     logger = TrainingLogger(configs, shape)
     ckpt = configs.checkpoint
     losses: dict[int, float] = {}

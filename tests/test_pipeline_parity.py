@@ -1,5 +1,5 @@
-"""Pipeline-parallel GPT-2 and Llama specs (1F1B, interleaved, GPipe; with TP) vs the
-single-stage model.
+"""Pipeline-parallel GPT-2 and Llama specs (1F1B, interleaved, GPipe, ZB-H1, ZBV; with TP) vs
+the single-stage model.
 
 Every rank also builds the whole model (same init seed) in-process and runs the global
 batch of m microbatches as one batch; the pipelined step must give the same per-microbatch
@@ -95,7 +95,7 @@ def reference(m: int, model_name: str = "gpt2") -> tuple[torch.Tensor, dict[str,
 def pipelined(refs: dict, tp: int, pp: int, vpp: int | None, m: int,
               schedule: str = "1f1b", model_name: str = "gpt2") -> dict:
     """Errors of one pipelined step and one forward-only step against `refs[m, model_name]`."""
-    initialize_model_parallel(tp, pp, vpp)
+    initialize_model_parallel(tp, pp, vpp, v_shape_placement=schedule == "zbv")
     chunks = build_model_chunks(functools.partial(provider, MODELS[model_name]))
     for weight in shared_embedding_params(chunks):  # sync_shared_embedding must undo this
         if getattr(weight, "shared_embedding_copy", False):
@@ -159,8 +159,12 @@ def run_grid(configs: list[tuple]) -> dict:
 GRID_4 = [(1, 1, None, 4), (1, 4, None, 8, "gpipe")] + \
     [(1, pp, vpp, m) for pp in (2, 4) for vpp in (None, 2) for m in (pp, 2 * pp)] + \
     [(2, 2, vpp, m) for vpp in (None, 2) for m in (2, 4)] + \
-    [(1, 2, 2, 4, "1f1b", "llama"), (2, 2, None, 4, "1f1b", "llama")]
+    [(1, 4, None, 8, "zb-h1"), (1, 2, None, 2, "zb-h1"), (1, 4, 2, 8, "zbv"), (1, 2, 2, 3, "zbv"),
+     (2, 2, None, 4, "zb-h1"), (2, 2, 2, 4, "zbv")] + \
+    [(1, 2, 2, 4, "1f1b", "llama"), (2, 2, None, 4, "1f1b", "llama"),
+     (1, 2, None, 4, "zb-h1", "llama"), (1, 2, 2, 4, "zbv", "llama")]
 GRID_8 = [(2, 4, vpp, m) for vpp in (None, 2) for m in (4, 8)] + \
+    [(2, 4, None, 4, "zb-h1"), (2, 4, 2, 8, "zbv")] + \
     [(4, 2, None, 4, "1f1b", "llama")]  # TP 4 > 2 KV groups: replicated K/V
 
 

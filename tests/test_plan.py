@@ -70,7 +70,38 @@ def test_inflight_microbatches_and_bubble_match_the_schedule_tables(case):
     for rank in range(p):
         assert planner.inflight_microbatches(name, p, m, v, rank) == \
             peak_inflight_microbatches(table, rank)
-    assert planner.bubble_fraction(p, m, v) == Fraction(p - 1, v * m) == bubble_fraction(table)
+    assert planner.bubble_fraction(name, p, m, v) == Fraction(p - 1, v * m) == \
+        bubble_fraction(table)
+
+
+ZB_CASES = [(p, m) for p in (2, 3, 4, 8) for m in (p, 2 * p, 3 * p)]
+
+
+@pytest.mark.parametrize("p, m", ZB_CASES)
+def test_zero_bubble_inflight_and_bubble_follow_their_closed_forms(p, m):
+    """ZB-H1: 1F1B's min(p - r, m) in flight and Qi et al.'s (p-1)(F+B-W)/(m(F+B+W)) with
+    F = B = W; ZBV: min((m + r + 1) / 2, m, p) in flight; both against the simulated tables."""
+    h1, zbv = build_schedule("zb-h1", p, m), build_schedule("zbv", p, m, 2)
+    for rank in range(p):
+        assert planner.inflight_microbatches("zb-h1", p, m, 1, rank) == min(p - rank, m) == \
+            peak_inflight_microbatches(h1, rank)
+        want = min(Fraction(m + rank + 1, 2), m, p)
+        assert planner.inflight_microbatches("zbv", p, m, 2, rank) == want == \
+            peak_inflight_microbatches(zbv, rank)
+    f = b = w = 1
+    closed_form = Fraction((p - 1) * (f + b - w), m * (f + b + w))
+    assert planner.bubble_fraction("zb-h1", p, m) == closed_form == bubble_fraction(h1)
+    if p in (2, 4, 8) and m <= 2 * p:  # where the V table reaches (p-1)/(6m)
+        assert planner.bubble_fraction("zbv", p, m, 2) == Fraction(p - 1, 6 * m)
+
+
+def test_plan_of_a_zero_bubble_layout_uses_its_schedule():
+    zb = planner.plan(configs(layers=8, pp=4, batch=16, schedule="zb-h1"))
+    v = planner.plan(configs(layers=8, pp=4, batch=16, schedule="zbv"))
+    assert zb.schedule == "zb-h1" and zb.bubble == Fraction(3, 24)
+    assert v.schedule == "zbv" and v.bubble == Fraction(3, 48)
+    assert zb.stages["first"].inflight == v.stages["last"].inflight == 4
+    assert zb.stages["last"].inflight == 1
 
 
 def test_interleaving_penalty_on_stage_zero():

@@ -67,6 +67,11 @@ def _configs(data: str, *argv: str) -> Configs:
     (["--pp", "2", "--vpp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"], 2,
      "multiple of --pp"),
     (["--lr-warmup-iters", "10"], 1, "--lr-decay-iters"),
+    (["--pp", "4", "--global-batch-size", "4", "--pipeline-schedule", "zb-h1"], 4,
+     "must be >= --pp"),
+    (["--pp", "2", "--vpp", "2", "--pipeline-schedule", "zb-h1"], 2, "drop --vpp"),
+    (["--pp", "2", "--vpp", "4", "--num-layers", "8", "--pipeline-schedule", "zbv"], 2,
+     "2 model chunks per rank"),
 ])
 def test_invalid_layouts_are_rejected_before_any_collective(data, argv, world, flag):
     with pytest.raises(ValueError, match=flag) as error:

@@ -1,20 +1,30 @@
-"""Megalite's interleaved 1F1B vs torch.distributed.pipelining's ScheduleInterleaved1F1B.
+"""Megalite's pipeline schedules vs torch.distributed.pipelining's, on one model split.
 
     python tools/bench_pipeline.py [--hidden 256 --seq 128 --micro-batch 2 --microbatches 8]
 
-The same GPT (megalite GPTModel chunks, same weights) split over 4 gloo ranks with
-2 chunks each (rank r holds stages r and r + 4), OMP_NUM_THREADS=1 per rank. Prints
-the median step time of each (forward + backward of m microbatches after warm-up; the
-two take turns step by step, so a changing machine load hits both alike), their ratio,
-whether the losses agree, and the simulated bubble against (p-1)/m and (p-1)/(v*m).
-Prints figures; asserts nothing.
+The same GPT (megalite GPTModel chunks, same weights) over 4 gloo ranks, OMP_NUM_THREADS=1
+per rank: megalite 1f1b and zb-h1 (one stage of 2 layers per rank), interleaved (2 chunks,
+rank r holds stages r and r + 4) and zbv (2 chunks in V placement: stages r and 7 - r), and
+pipelining's ScheduleInterleaved1F1B on the interleaved chunks, ScheduleInterleavedZeroBubble
+on both the one-stage split (its ZB-H1 form, the peer of zb-h1) and the interleaved chunks,
+and ScheduleZBVZeroBubble on the V chunks. All schedules take turns step by step, so
+a changing machine load hits them alike (the grid is rebuilt when the placement changes).
+
+Per schedule: the median step time (forward + backward of m microbatches after warm-up),
+the measured bubble (mean over ranks of (step time - the rank's compute time) / its compute
+time, compute = the time inside F, B and W), the bubble the table gives in the simulator
+with the measured per-stage F, B, W times, the mean loss (all must agree) and the step-time
+ratio to the peer. Prints figures; asserts nothing.
 """
 import argparse
+import functools
 import os
 import socket
 import statistics
 import sys
 import time
+from collections import defaultdict
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -22,7 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import pretrain_gpt  # noqa: E402
@@ -31,12 +42,22 @@ from megalite.device import init_distributed  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
 from megalite.models.stage import build_model_chunks, sync_shared_embedding  # noqa: E402
 from megalite.mpu import destroy_model_parallel, initialize_model_parallel  # noqa: E402
-from megalite.mpu import parallel_state  # noqa: E402
-from megalite.schedules import get_forward_backward_func  # noqa: E402
+from megalite.schedules import executor, get_forward_backward_func  # noqa: E402
 from megalite.schedules.accounting import bubble_fraction  # noqa: E402
 from megalite.schedules.tables import build_schedule  # noqa: E402
 
-P, V = 4, 2
+P = 4
+LAYOUTS = {"loop, v=1": (None, False), "loop, v=2": (2, False), "V, v=2": (2, True)}
+OURS = {"1f1b": "loop, v=1", "zb-h1": "loop, v=1", "interleaved": "loop, v=2", "zbv": "V, v=2"}
+PEERS = {"Interleaved1F1B v=2": (ScheduleInterleaved1F1B, "loop, v=2"),
+         "InterleavedZeroBubble v=1": (ScheduleInterleavedZeroBubble, "loop, v=1"),
+         "InterleavedZeroBubble v=2": (ScheduleInterleavedZeroBubble, "loop, v=2"),
+         "ZBVZeroBubble v=2": (ScheduleZBVZeroBubble, "V, v=2")}
+PEER_OF = {"interleaved": "Interleaved1F1B v=2", "zb-h1": "InterleavedZeroBubble v=1",
+           "zbv": "ZBVZeroBubble v=2"}  # the peer on the same split
+OUR_COMPUTE = {"forward": "F", "backward": "B", "weight_grads": "W"}  # executor._Run methods
+PEER_COMPUTE = {"forward_one_chunk": "F", "backward_one_chunk": "B",
+                "backward_weight_one_chunk": "W"}
 
 
 class PeerStage(nn.Module):
@@ -57,86 +78,157 @@ def peer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def timed(steps: dict, repeats: int, warmup: int, chunks: list[nn.Module]) -> dict:
-    """Median wall time of each named step between barriers on all ranks; the steps take
-    turns, so a changing machine load hits them alike."""
-    times = {name: [] for name in steps}
-    for i in range(warmup + repeats):
-        for name, step in steps.items():
-            for chunk in chunks:
-                chunk.zero_grad(set_to_none=True)
-            dist.barrier()
+class ComputeClock:
+    """Seconds spent in F, B and W on this rank, by wrapping the methods that run them
+    (megalite's executor and pipelining's stages)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def wrap(self, owner: object, methods: dict[str, str]) -> None:
+        for name, kind in methods.items():
+            setattr(owner, name, self._timed(getattr(owner, name), kind))
+
+    def _timed(self, method, kind: str):
+        @functools.wraps(method)
+        def timed(*args, **kwargs):
             start = time.perf_counter()
-            step()
-            dist.barrier()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[kind] += time.perf_counter() - start
+                self.counts[kind] += 1
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.counts.clear()
+
+
+def use_layout(layout: str) -> None:
+    destroy_model_parallel()
+    v, v_shape = LAYOUTS[layout]
+    initialize_model_parallel(1, P, v, v_shape_placement=v_shape)
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     torch.set_num_threads(1)
     init_distributed(rank, P, f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel(1, P, V)
     config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
                          num_attention_heads=args.heads, vocab_size=args.vocab,
                          max_position_embeddings=args.seq, hidden_dropout=0.0,
                          attention_dropout=0.0)
-    chunks = build_model_chunks(lambda pre_process, post_process: GPTModel(
-        config, pre_process, post_process, init_seed=args.seed))
-    sync_shared_embedding(chunks)
+    chunks = {}
+    for layout in LAYOUTS:
+        use_layout(layout)
+        chunks[layout] = build_model_chunks(lambda pre_process, post_process: GPTModel(
+            config, pre_process, post_process, init_seed=args.seed))
+        sync_shared_embedding(chunks[layout])
     m, b = args.microbatches, args.micro_batch
     tokens = torch.randint(0, args.vocab, (m * b, args.seq + 1),
                            generator=torch.Generator().manual_seed(args.seed))
-    last = rank == P - 1
+    clock = ComputeClock()
+    clock.wrap(executor._Run, OUR_COMPUTE)
+    steps, losses = {}, {}
 
-    ours = get_forward_backward_func()
-    our_losses = []
+    def our_step(name: str) -> None:
+        out = get_forward_backward_func(name)(
+            forward_step_func=pretrain_gpt.forward_step, model=chunks[OURS[name]],
+            data_iterator=({"tokens": t} for t in tokens.split(b)), num_microbatches=m,
+            seq_length=args.seq, micro_batch_size=b)
+        losses[name] = torch.stack([d["lm loss"] for d in out]).mean().item()
 
-    def our_step():
-        our_losses[:] = ours(forward_step_func=pretrain_gpt.forward_step,
-                             data_iterator=({"tokens": t} for t in tokens.split(b)),
-                             model=chunks, num_microbatches=m, seq_length=args.seq,
-                             micro_batch_size=b)
+    for name, layout in OURS.items():
+        steps[name] = (layout, functools.partial(our_step, name))
 
-    stages = [PipelineStage(PeerStage(chunk), c * P + rank, P * V, torch.device("cpu"),
-                            group=parallel_state.get_pipeline_model_parallel_group())
-              for c, chunk in enumerate(chunks)]
-    schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=peer_loss)
-    peer_losses = []
-
-    def peer_step():
-        peer_losses.clear()
-        if rank == 0:
-            schedule.step(tokens[:, :-1])
-        elif last:
-            schedule.step(target=tokens[:, 1:], losses=peer_losses)
+    def peer_step(name: str, schedule) -> None:
+        peer_losses = []
+        if any(stage.is_first for stage in schedule._stages):
+            schedule.step(tokens[:, :-1], target=tokens[:, 1:], losses=peer_losses)
         else:
-            schedule.step()
+            schedule.step(target=tokens[:, 1:], losses=peer_losses)
+        if peer_losses:
+            losses[name] = torch.stack(peer_losses).mean().item()
 
-    times = timed({"ours": our_step, "peer": peer_step}, args.steps, args.warmup, chunks)
-    if last:
-        queue.put({
-            **times,
-            "our loss": torch.stack([d["lm loss"] for d in our_losses]).mean().item(),
-            "peer loss": torch.stack(peer_losses).mean().item(),
-        })
-    dist.barrier()
+    for name, (cls, layout) in PEERS.items():
+        v_shape = LAYOUTS[layout][1]
+        stages = [PipelineStage(PeerStage(chunk), (2 * P - 1 - rank if v_shape else P + rank)
+                                if c else rank, P * len(chunks[layout]), torch.device("cpu"))
+                  for c, chunk in enumerate(chunks[layout])]
+        for stage in stages:
+            clock.wrap(stage, PEER_COMPUTE)
+        try:
+            schedule = cls(stages, m, loss_fn=peer_loss)
+            steps["peer " + name] = (layout, functools.partial(peer_step, "peer " + name, schedule))
+        except Exception as error:  # noqa: BLE001 - reported, the benchmark goes on
+            if rank == 0:
+                print(f"peer {name}: cannot run here: {str(error).splitlines()[0]}", flush=True)
+
+    order = list(LAYOUTS)  # group the steps by placement: fewer grid rebuilds
+    steps = dict(sorted(steps.items(), key=lambda item: order.index(item[1][0])))
+    times = {name: [] for name in steps}
+    busy = {name: [] for name in steps}
+    per_kind = {name: defaultdict(list) for name in steps}
+    failed, current = {}, None
+    for i in range(args.warmup + args.steps):
+        for name, (layout, step) in steps.items():
+            if name in failed:
+                continue
+            if layout != current:
+                use_layout(current := layout)
+            for chunk in chunks[layout]:
+                chunk.zero_grad(set_to_none=True)
+            clock.reset()
+            dist.barrier()
+            start = time.perf_counter()
+            try:
+                step()
+            except Exception as error:  # noqa: BLE001 - reported, the benchmark goes on
+                failed[name] = str(error).splitlines()[0]
+            dist.barrier()
+            if i >= args.warmup and name not in failed:
+                times[name].append(time.perf_counter() - start)
+                busy[name].append(sum(clock.seconds.values()))
+                for kind, seconds in clock.seconds.items():
+                    per_kind[name][kind].append(seconds / clock.counts[kind])
+    result = {"times": times, "busy": busy, "losses": losses, "failed": failed,
+              "per_kind": {name: {kind: statistics.median(s) for kind, s in kinds.items()}
+                           for name, kinds in per_kind.items()}}
+    gathered = [None] * P
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        queue.put(gathered)
     destroy_model_parallel()
     dist.destroy_process_group()
 
 
+def measured_bubble(ranks: list[dict], name: str) -> float:
+    """Median over steps of the mean over ranks of (step time - compute) / compute."""
+    per_step = zip(*([(t - c) / c for t, c in zip(r["times"][name], r["busy"][name])]
+                     for r in ranks))
+    return statistics.median(statistics.mean(step) for step in per_step)
+
+
+def simulated_bubble(ranks: list[dict], name: str, m: int, v: int) -> Fraction:
+    """The table's bubble in the simulator with the measured whole-stage F, B, W (rank mean;
+    the fused backward of 1f1b/interleaved is B + W) from the zb-h1 run."""
+    kinds = [statistics.mean(r["per_kind"]["zb-h1"][k] for r in ranks) for k in "FBW"]
+    f, b, w = (Fraction(round(t * 1e5)) for t in kinds)
+    return bubble_fraction(build_schedule(name, P, m, v), f, b, w)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8, help="multiple of p*v = 8")
+    parser.add_argument("--layers", type=int, default=8, help="multiple of 2p = 8")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8, help="m, a multiple of p = 4")
-    parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
 
@@ -149,26 +241,50 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(rank, args, port, queue)) for rank in range(P)]
     for proc in procs:
         proc.start()
-    result = queue.get()
+    ranks = queue.get()
     for proc in procs:
         proc.join()
+    report(ranks, args)
 
+
+def report(ranks: list[dict], args: argparse.Namespace) -> None:
     m = args.microbatches
-    print(f"GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro batch "
-          f"{args.micro_batch}, m = {m}; p = {P} gloo ranks, v = {V} chunks each")
-    print(f"megalite interleaved 1F1B:            {result['ours'] * 1e3:8.1f} ms/step (median)")
-    print(f"pipelining ScheduleInterleaved1F1B:   {result['peer'] * 1e3:8.1f} ms/step (median)")
-    print(f"ratio megalite / pipelining:          {result['ours'] / result['peer']:8.3f}")
-    rel = abs(result["our loss"] - result["peer loss"]) / abs(result["peer loss"])
-    print(f"losses: megalite {result['our loss']:.6f}, pipelining {result['peer loss']:.6f} "
-          f"-> {'agree' if rel < 1e-5 else 'DIFFER'} (rel. diff {rel:.1e})")
-    for name, v in (("1f1b", 1), ("interleaved", V)):
-        simulated = float(bubble_fraction(build_schedule(name, P, m, v)))
-        print(f"bubble {name} (v = {v}): simulated {simulated:.3f}, "
-              f"closed form (p-1)/(v*m) = {(P - 1) / (v * m):.3f}")
-    failed = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode]
-    if failed:
-        print(f"note: ranks exited abnormally after finishing (rank, exit code): {failed}")
+    print(f"GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}, "
+          f"micro batch {args.micro_batch}, m = {m}; p = {P} gloo ranks; median of "
+          f"{args.steps} steps after {args.warmup} warm-up")
+    for name, error in ranks[0]["failed"].items():
+        print(f"{name}: failed: {error}")
+    kinds = {k: statistics.mean(r["per_kind"]["zb-h1"][k] for r in ranks) for k in "FBW"}
+    print("measured per-stage times in zb-h1 (rank mean): " + ", ".join(
+        f"{k} {t * 1e3:.1f} ms" for k, t in kinds.items()))
+    losses = {name: loss for r in ranks for name, loss in r["losses"].items()}
+    reference = losses["1f1b"]
+    print(f"{'schedule':36}{'ms/step':>9}{'bubble':>8}{'table':>8}{'loss':>11}"
+          f"{'vs 1f1b':>9}{'/ peer':>8}")
+    step_ms = {name: statistics.median(ranks[0]["times"][name]) * 1e3
+               for name in ranks[0]["times"] if name not in ranks[0]["failed"]}
+    forms = {"1f1b": 1, "zb-h1": 1, "interleaved": 2, "zbv": 2}
+    for name, ms in step_ms.items():
+        ours = name in forms
+        table = f"{float(simulated_bubble(ranks, name, m, forms[name])):.3f}" if ours else "-"
+        peer = "peer " + PEER_OF[name] if name in PEER_OF else None
+        ratio = f"{ms / step_ms[peer]:.3f}" if peer in step_ms else "-"
+        rel = abs(losses[name] - reference) / abs(reference)
+        label = f"megalite {name}" if ours else f"pipelining {name[5:]}"
+        print(f"{label:36}{ms:9.1f}{measured_bubble(ranks, name):8.3f}{table:>8}"
+              f"{losses[name]:11.6f}{rel:9.1e}{ratio:>8}")
+    h1 = measured_bubble(ranks, "zb-h1")
+    base = measured_bubble(ranks, "1f1b")
+    print(f"target ZB-H1 bubble <= 0.5 x 1F1B's at m = {m} (2p = {2 * P}): {h1:.3f} vs "
+          f"0.5 x {base:.3f} = {0.5 * base:.3f} -> {'met' if h1 <= 0.5 * base else 'NOT met'}")
+    for name in ("zb-h1", "zbv"):
+        peer = "peer " + PEER_OF[name]
+        if peer in step_ms:
+            ok = step_ms[name] <= step_ms[peer]
+            print(f"target megalite {name} step time <= pipelining {PEER_OF[name]}: "
+                  f"{step_ms[name]:.1f} vs {step_ms[peer]:.1f} ms -> {'met' if ok else 'NOT met'}")
+    print(f"closed forms (F = B = W): 1f1b (p-1)/m = {(P - 1) / m:.3f}, interleaved "
+          f"(p-1)/(2m) = {(P - 1) / (2 * m):.3f}, zb-h1 (p-1)/(3m) = {(P - 1) / (3 * m):.3f}")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,10 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+BUBBLE_FORMS = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)",
+                "zb-h1": "(p-1)/(3m) (F = B = W)", "zbv": "simulated table (F = B = W)"}
+
+
 def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
     """The plan as text."""
     c, par = p.configs, p.configs.parallel
@@ -107,7 +111,7 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
               f"{float(last.inflight):12.3g}",
               f"  fits {capacity_gib:g} GiB: "
               f"{'yes' if max(first.total, last.total) <= capacity_gib * GIB else 'NO'}", ""]
-    lines.append(f"Pipeline bubble: {float(p.bubble):.4f} = (p-1)/{'(v m)' if v > 1 else 'm'}")
+    lines.append(f"Pipeline bubble: {float(p.bubble):.4f} = {BUBBLE_FORMS[p.schedule]}")
     lines.append(f"FLOPs per step: {p.flops:.4e} (Megatron's "
                  f"{'96' if m.recompute_granularity == 'full' else '72'} B s L h^2 formula)")
     step = p.step_time(peak_tflops, mfu)

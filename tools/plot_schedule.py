@@ -1,14 +1,16 @@
-"""Draw a pipeline schedule's simulated timeline as a PNG (forward 1, backward 2 time units).
+"""Draw a pipeline schedule's simulated timeline as a PNG (F = B = W = 1 time unit; a fused backward 2).
 
     python tools/plot_schedule.py --schedule interleaved --pp 4 --vpp 2 --microbatches 8 --out schedule.png
+    python tools/plot_schedule.py --schedule zb-h1 --pp 4 --microbatches 8 --out zb-h1.png
 
-One row per pipeline rank (rank 0 on top); forwards blue, backwards green, darker
-for later model chunks; microbatches are numbered from 1, as in the papers.
+One row per pipeline rank (rank 0 on top); forwards blue, backwards green (split backward:
+input grads B orange, weight grads W purple), darker for later model chunks; microbatches are
+numbered from 1, as in the papers. Prints the bubble and, per rank, the peak in-flight
+activations (microbatches between F and B) and pending weight grads (between B and W).
 """
 
 import argparse
 import sys
-from fractions import Fraction
 from pathlib import Path
 
 import matplotlib
@@ -18,11 +20,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.schedules.accounting import bubble_fraction, simulate  # noqa: E402
+from megalite.planner import bubble_fraction as bubble_formula  # noqa: E402
+from megalite.schedules.accounting import (bubble_fraction, num_chunks,  # noqa: E402
+                                           peak_inflight_activations, peak_pending_weight_grads,
+                                           simulate)
 from megalite.schedules.tables import SCHEDULES, Kind, build_schedule  # noqa: E402
 
-FORWARD_TIME, BACKWARD_TIME = 1, 2
-COLORS = {Kind.FORWARD: plt.cm.Blues, Kind.BACKWARD: plt.cm.Greens}
+COLORS = {Kind.FORWARD: plt.cm.Blues, Kind.BACKWARD: plt.cm.Greens,
+          Kind.BACKWARD_INPUT: plt.cm.Oranges, Kind.BACKWARD_WEIGHT: plt.cm.Purples}
 
 
 def color(kind: Kind, chunk: int, v: int):
@@ -33,18 +38,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks p")
-    parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank v (interleaved only)")
+    parser.add_argument("--vpp", type=int, default=None,
+                        help="model chunks per rank v (interleaved; zbv: 2, the default)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches m")
     parser.add_argument("--out", default="schedule.png")
     args = parser.parse_args()
-    p, v, m = args.pp, args.vpp, args.microbatches
+    p, m = args.pp, args.microbatches
+    v = args.vpp or (2 if args.schedule == "zbv" else 1)
     try:
         table = build_schedule(args.schedule, p, m, v)
     except ValueError as err:
         parser.error(str(err))
-    timeline = simulate(table, FORWARD_TIME, BACKWARD_TIME)
-    bubble, closed = bubble_fraction(table, FORWARD_TIME, BACKWARD_TIME), Fraction(p - 1, v * m)
-    print(f"bubble fraction: table {float(bubble):.4f} ({bubble}), closed form (p-1)/(v*m) {float(closed):.4f} ({closed})")
+    timeline = simulate(table)
+    bubble = bubble_fraction(table)
+    closed = bubble_formula(args.schedule, p, m, v)
+    print(f"bubble fraction: table {float(bubble):.4f} ({bubble}), planner {float(closed):.4f} "
+          f"({closed}: (p-1)/(v*m); zb-h1 (p-1)(F+B-W)/(m(F+B+W)); zbv: its table)")
+    for rank in range(p):
+        print(f"rank {rank}: peak in-flight activations "
+              f"{peak_inflight_activations(table, rank) / num_chunks(table):g} microbatches, "
+              f"peak pending weight grads {peak_pending_weight_grads(table, rank) / v:g}")
 
     makespan = float(timeline.makespan)
     fig, ax = plt.subplots(figsize=(min(max(8, 0.2 * makespan * (1 + v)), 40), 1.2 + 0.5 * p))
@@ -57,10 +70,11 @@ def main() -> None:
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlim(0, makespan)
-    ax.set_xlabel(f"time (a microbatch's forward = {FORWARD_TIME}, backward = {BACKWARD_TIME} per rank)")
+    ax.set_xlabel("time (per rank and microbatch: F = B = W = 1, fused backward B+W = 2)")
     ax.set_title(f"{args.schedule}: p={p}, v={v}, m={m}, bubble = {bubble} = {float(bubble):.3f}")
     ax.legend(handles=[Patch(color=color(kind, c, v), label=f"{kind.name.lower()} chunk {c}")
-                       for kind in COLORS for c in range(v)],
+                       for kind in COLORS for c in range(v)
+                       if any(s.kind is kind for spans in timeline.spans for s in spans)],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)

@@ -16,7 +16,8 @@ class DistributedDataParallel(nn.Module):
 
     A post-accumulate-grad hook adds each `param.grad` into `main_grad` and frees it; with
     `overlap_grad_reduce` a bucket's reduction is launched (async) as soon as its last grad
-    arrives. Inside `no_sync()` grads only accumulate. `finish_grad_sync()` waits for every
+    arrives (under a split backward, when the last W step of the bucket's weights lands).
+    Inside `no_sync()` grads only accumulate. `finish_grad_sync()` waits for every
     bucket (launching those not yet launched); `zero_grad_buffer()` starts the next step.
     With `use_distributed_optimizer` buckets are padded and reduce-scattered (see GradBuffer).
     Calls and unknown attributes (`set_input_tensor`, `config`, ...) go to the wrapped module.
@@ -48,6 +49,8 @@ class DistributedDataParallel(nn.Module):
 
     def _accumulate(self, param: nn.Parameter) -> None:
         grad = param.grad
+        if grad is None:  # weight grad deferred to a W step (megalite.mpu.weight_grad)
+            return
         if grad.dtype != param.main_grad.dtype and grad.device.type == "cpu":
             grad = grad.float()  # a mixed-dtype add_ is unvectorized on CPU (about 3x slower)
         param.main_grad.add_(grad)

@@ -14,7 +14,8 @@ def pipeline_layer_range(num_layers: int, pp_size: int | None = None, pp_rank: i
                          ) -> tuple[int, int]:
     """[first, last) global layers of a (pipeline rank, virtual chunk); defaults from the grid.
 
-    Rank r, chunk c holds global stage c * p + r of p * v equal stages.
+    Rank r, chunk c holds global stage c * p + r of p * v equal stages (V placement, zbv:
+    stage r for chunk 0 and 2p-1-r for chunk 1; see parallel_state.Placement).
     """
     p = parallel_state.get_pipeline_model_parallel_world_size() if pp_size is None else pp_size
     r = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
@@ -26,7 +27,7 @@ def pipeline_layer_range(num_layers: int, pp_size: int | None = None, pp_rank: i
         raise ValueError(f"--num-layers ({num_layers}) must be divisible by pipeline size ({p}) "
                          f"x virtual chunks ({v}) = {p * v}")
     per_stage = num_layers // (p * v)
-    stage = c * p + r
+    stage = parallel_state.Placement(p, v, parallel_state.is_pipeline_v_shape()).stage(r, c)
     return stage * per_stage, (stage + 1) * per_stage
 
 
@@ -72,16 +73,28 @@ def shared_embedding_params(model: nn.Module | list[nn.Module]) -> list[nn.Param
 
 @torch.no_grad()
 def sync_shared_embedding(model: nn.Module | list[nn.Module]) -> None:
-    """Copy the first stage's word embedding to the last stage (broadcast on the embedding group)."""
-    for weight in shared_embedding_params(model):
+    """Copy the first stage's word embedding to the last stage (broadcast on the embedding
+    group, or a local copy when this rank holds both, as rank 0 in V placement)."""
+    weights = shared_embedding_params(model)
+    if len(weights) == 2:
+        weights[1].copy_(weights[0])
+        return
+    for weight in weights:
         comm.broadcast(weight.data, parallel_state.get_embedding_ranks()[0],
                        parallel_state.get_embedding_group())
 
 
 def allreduce_shared_embedding_grads(model: nn.Module | list[nn.Module]) -> None:
-    """Sum the tied embedding's grad over first and last stage (embedding group)."""
-    for weight in shared_embedding_params(model):
-        grad = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
+    """Sum the tied embedding's grad over first and last stage (embedding group, or locally
+    when this rank holds both)."""
+    grads = [weight.main_grad if hasattr(weight, "main_grad") else weight.grad
+             for weight in shared_embedding_params(model)]
+    if len(grads) == 2:
+        total = grads[0] + grads[1]
+        for grad in grads:
+            grad.copy_(total)
+        return
+    for grad in grads:
         if grad is not None:
             comm.all_reduce(grad, parallel_state.get_embedding_group())
 

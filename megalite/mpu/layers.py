@@ -1,8 +1,9 @@
 """Tensor-parallel layers: vocab-parallel embedding, column- and row-parallel linear.
 
-Weights are initialised at full size with the caller's RNG and then sliced, so the same
-seed gives the same full weights for any TP size. Sharded parameters carry
-`tensor_model_parallel = True`, `partition_dim`, `partition_stride` (the full tensor is
+The linear layers' weight grads can be deferred (`megalite.mpu.weight_grad`, for the
+zero-bubble pipeline schedules). Weights are initialised at full size with the caller's RNG
+and then sliced, so the same seed gives the same full weights for any TP size. Sharded
+parameters carry `tensor_model_parallel = True`, `partition_dim`, `partition_stride` (the full tensor is
 `stride` blocks along that dim, each split over the shards: SwiGLU's [gate; up]) and
 `tp_replicas` (consecutive TP ranks holding the same shard: GQA with fewer KV groups than
 TP ranks); replicated ones carry `tensor_model_parallel = False`. A parameter whose copies
@@ -21,6 +22,7 @@ from megalite.mpu.mappings import (copy_to_tensor_model_parallel_region,
                                    gather_from_tensor_model_parallel_region,
                                    reduce_from_tensor_model_parallel_region,
                                    scatter_to_tensor_model_parallel_region)
+from megalite.mpu.weight_grad import linear
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -127,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = copy_to_tensor_model_parallel_region(x, self.group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        y = linear(x, self.weight, bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -156,7 +158,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.group)
+        y = reduce_from_tensor_model_parallel_region(linear(x, self.weight), self.group)
         if self.skip_bias_add or self.bias is None:
             return y, self.bias
         return y + self.bias, None
@@ -209,7 +211,7 @@ class VocabParallelEmbedding(nn.Module):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied output layer: hidden [..., h] -> vocab-parallel logits [..., V_padded/tp]."""
         hidden = copy_to_tensor_model_parallel_region(hidden, self.group)
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if not self.num_padding_rows:
             return logits
         return _MaskVocabPadding.apply(logits, self.num_padding_rows)

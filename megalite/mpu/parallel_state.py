@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megalite.schedules.tables import Placement
+
 
 @dataclass(frozen=True)
 class GridLayout:
@@ -72,6 +74,7 @@ class _State:
     embedding_ranks: list[int] = []
     virtual_size: int | None = None
     virtual_rank: int | None = None
+    v_shape: bool = False
 
 
 _S = _State()
@@ -89,8 +92,13 @@ def _new_groups(rank_lists: list[list[int]], my_rank: int):
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: int | None = None) -> None:
-    """Build the TP/PP/DP/model/embedding groups on the default process group."""
+                              virtual_pipeline_model_parallel_size: int | None = None,
+                              v_shape_placement: bool = False) -> None:
+    """Build the TP/PP/DP/model/embedding groups on the default process group.
+
+    v_shape_placement: the two chunks of pipeline rank r hold stages r and 2p-1-r (the zbv
+    schedule; needs virtual_pipeline_model_parallel_size 2) instead of r and p + r.
+    """
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel: torch.distributed is not initialized "
                            "(call megalite.device.init_distributed first)")
@@ -104,8 +112,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     _S.pp_group, _S.pp_ranks = _new_groups(layout.pipeline_groups(), rank)
     _S.model_group, _ = _new_groups(layout.model_groups(), rank)
     _S.embedding_group, _S.embedding_ranks = _new_groups(layout.embedding_groups(), rank)
+    if v_shape_placement and virtual_pipeline_model_parallel_size != 2:
+        raise ValueError(f"V-shape placement needs 2 model chunks per pipeline rank, got "
+                         f"--vpp {virtual_pipeline_model_parallel_size}")
     _S.virtual_size = virtual_pipeline_model_parallel_size
     _S.virtual_rank = 0 if virtual_pipeline_model_parallel_size else None
+    _S.v_shape = v_shape_placement
 
 
 def model_parallel_is_initialized() -> bool:
@@ -121,6 +133,7 @@ def destroy_model_parallel() -> None:
         setattr(_S, name, None)
     _S.layout = None
     _S.virtual_size = _S.virtual_rank = None
+    _S.v_shape = False
 
 
 def _layout() -> GridLayout:
@@ -216,18 +229,32 @@ def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
     _S.virtual_rank = rank
 
 
+def is_pipeline_v_shape() -> bool:
+    """Whether the two chunks of each pipeline rank sit in V placement (zbv)."""
+    return _S.v_shape
+
+
+def get_pipeline_placement() -> Placement:
+    """Where this grid's (pipeline rank, virtual chunk) pairs sit among the stages."""
+    return Placement(get_pipeline_model_parallel_world_size(), _S.virtual_size or 1, _S.v_shape)
+
+
 def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
-    """First stage of the pipeline (and first virtual chunk unless ignore_virtual)."""
-    if not ignore_virtual and _S.virtual_size and _S.virtual_rank != 0:
-        return False
-    return get_pipeline_model_parallel_rank() == 0
+    """This rank holds the first stage: in its current virtual chunk, or (ignore_virtual) in
+    any chunk."""
+    place = get_pipeline_placement()
+    rank = get_pipeline_model_parallel_rank()
+    return place.locate(0) == (rank, _S.virtual_rank or 0) if not ignore_virtual \
+        else place.locate(0)[0] == rank
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
-    """Last stage of the pipeline (and last virtual chunk unless ignore_virtual)."""
-    if not ignore_virtual and _S.virtual_size and _S.virtual_rank != _S.virtual_size - 1:
-        return False
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+    """This rank holds the last stage: in its current virtual chunk, or (ignore_virtual) in
+    any chunk."""
+    place = get_pipeline_placement()
+    rank = get_pipeline_model_parallel_rank()
+    last = place.locate(place.num_stages - 1)
+    return last == (rank, _S.virtual_rank or 0) if not ignore_virtual else last[0] == rank
 
 
 def get_pipeline_model_parallel_next_rank() -> int:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from itertools import groupby
 
-from megalite.schedules.tables import COMPUTE, SENDS, Instruction, Kind, Table
+from megalite.schedules.tables import (COMPUTE, INPUT_GRAD, SENDS, Instruction, Kind, Table,
+                                       build_schedule)
 
 
 class DeadlockError(RuntimeError):
@@ -39,19 +40,30 @@ def num_chunks(table: Table) -> int:
     return 1 + max(ins.chunk for rank in table for ins in rank)
 
 
-def simulate(table: Table, forward_time: float = 1, backward_time: float = 2) -> Timeline:
+def durations(table: Table, forward_time: float = 1, input_grad_time: float = 1,
+              weight_grad_time: float = 1) -> dict[Kind, Fraction]:
+    """Time of one chunk's F, B (input grad), W (weight grad) and fused backward (B + W): the
+    given per-microbatch times of the rank's whole stage over v chunks."""
+    v = num_chunks(table)
+    f, b, w = (Fraction(t) / v for t in (forward_time, input_grad_time, weight_grad_time))
+    return {Kind.FORWARD: f, Kind.BACKWARD_INPUT: b, Kind.BACKWARD_WEIGHT: w, Kind.BACKWARD: b + w}
+
+
+def simulate(table: Table, forward_time: float = 1, input_grad_time: float = 1,
+             weight_grad_time: float = 1) -> Timeline:
     """Execute all ranks' lists under the executor rule of `tables`.
 
-    A chunk's forward takes forward_time / v and its backward backward_time / v,
-    so a microbatch costs forward_time + backward_time per rank whatever v.
+    Compute times per microbatch and rank: forward_time (F), input_grad_time (B),
+    weight_grad_time (W), and their sum B + W for the fused BACKWARD of the schedules
+    without split backward; a chunk takes 1/v of them, so a microbatch costs the same
+    per rank whatever v.
     Communication is free, but a batch completes only once every op in it has
     met its partner (rendezvous, as in an NCCL group): at the latest time at
     which one of them was posted. Raises DeadlockError if the ranks block each other and
     ValueError if the n-th message of a channel is not the same tensor on both
     ends.
     """
-    v = num_chunks(table)
-    duration = {Kind.FORWARD: Fraction(forward_time) / v, Kind.BACKWARD: Fraction(backward_time) / v}
+    duration = durations(table, forward_time, input_grad_time, weight_grad_time)
     messages = _match_messages(table)
     steps = [_steps(rank) for rank in table]
     pc = [0] * len(table)
@@ -90,19 +102,33 @@ def simulate(table: Table, forward_time: float = 1, backward_time: float = 2) ->
     return Timeline(spans, max(clock))
 
 
-def bubble_fraction(table: Table, forward_time: float = 1, backward_time: float = 2) -> Fraction:
+def bubble_fraction(table: Table, forward_time: float = 1, input_grad_time: float = 1,
+                    weight_grad_time: float = 1) -> Fraction:
     """Idle over compute time of a rank in the simulated run (mean over ranks):
-    (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) for interleaved 1F1B."""
-    timeline = simulate(table, forward_time, backward_time)
+    (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) for interleaved 1F1B,
+    (p-1)(F+B-W)/(m(F+B+W)) for ZB-H1."""
+    timeline = simulate(table, forward_time, input_grad_time, weight_grad_time)
     busy = [sum((s.end - s.start for s in spans), Fraction(0)) for spans in timeline.spans]
     return sum(((timeline.makespan - b) / b for b in busy), Fraction(0)) / len(busy)
 
 
 def peak_inflight_activations(table: Table, rank: int) -> int:
-    """Most (chunk, microbatch) pairs on `rank` whose forward ran but backward not yet."""
+    """Most (chunk, microbatch) pairs on `rank` whose forward ran but whose (input-grad)
+    backward not yet: the activations a backward needs, all of which it frees except
+    what a pending weight grad keeps (see peak_pending_weight_grads)."""
+    return _peak(table[rank], Kind.FORWARD, INPUT_GRAD)
+
+
+def peak_pending_weight_grads(table: Table, rank: int) -> int:
+    """Most (chunk, microbatch) pairs on `rank` whose B ran but W not yet: each keeps its
+    linear layers' inputs and output grads (Qi et al.'s M_W, less than a forward's M_B)."""
+    return _peak(table[rank], Kind.BACKWARD_INPUT, frozenset({Kind.BACKWARD_WEIGHT}))
+
+
+def _peak(instructions: list[Instruction], up: Kind, down: frozenset) -> int:
     live = peak = 0
-    for ins in table[rank]:
-        live += (ins.kind is Kind.FORWARD) - (ins.kind is Kind.BACKWARD)
+    for ins in instructions:
+        live += (ins.kind is up) - (ins.kind in down)
         peak = max(peak, live)
     return peak
 
@@ -110,6 +136,16 @@ def peak_inflight_activations(table: Table, rank: int) -> int:
 def peak_inflight_microbatches(table: Table, rank: int) -> Fraction:
     """peak_inflight_activations in whole-stage microbatches (a chunk holds 1/v of the rank's layers)."""
     return Fraction(peak_inflight_activations(table, rank), num_chunks(table))
+
+
+def pipeline_summary(schedule: str, p: int, m: int, v: int = 1) -> str:
+    """One line for the start-up log: the schedule, p, v, m, the simulated bubble (idle over
+    compute, F = B = W) and the peak in-flight microbatches of each rank, from the table."""
+    table = build_schedule(schedule, p, m, v)
+    peaks = ", ".join(f"{float(peak_inflight_microbatches(table, r)):g}" for r in range(p))
+    return (f"pipeline: schedule {schedule} | p {p}, v {v}, m {m} microbatches | bubble "
+            f"{float(bubble_fraction(table)):.1%} of compute (simulated, F = B = W) | peak "
+            f"in-flight microbatches per rank: {peaks}")
 
 
 def p2p_message_count(table: Table) -> int:
@@ -125,11 +161,11 @@ def _steps(instructions: list[Instruction]) -> list[list[int]]:
     return steps
 
 
-def _tensor(ins: Instruction, rank: int, p: int) -> tuple[str, int, int]:
-    """What a send/recv carries: (activation|grad, stage that sends it, microbatch)."""
+def _tensor(ins: Instruction, rank: int) -> tuple[str, int, int, int]:
+    """What a send/recv carries: (activation|grad, rank and chunk that send it, microbatch)."""
     forward = ins.kind in (Kind.SEND_FORWARD, Kind.RECV_FORWARD)
-    offset = {Kind.RECV_FORWARD: -1, Kind.RECV_BACKWARD: 1}.get(ins.kind, 0)
-    return ("activation" if forward else "grad"), ins.chunk * p + rank + offset, ins.microbatch
+    sender = (rank, ins.chunk) if ins.kind in SENDS else (ins.peer, ins.peer_chunk)
+    return ("activation" if forward else "grad"), *sender, ins.microbatch
 
 
 def _match_messages(table: Table) -> list[dict[int, tuple]]:
@@ -142,7 +178,7 @@ def _match_messages(table: Table) -> list[dict[int, tuple]]:
                 side = "send" if ins.kind in SENDS else "recv"
                 src, dst = (r, ins.peer) if side == "send" else (ins.peer, r)
                 ids[r][i] = (side, src, dst, len(channels[side, src, dst]))
-                channels[side, src, dst].append(_tensor(ins, r, len(table)))
+                channels[side, src, dst].append(_tensor(ins, r))
     for src, dst in {(src, dst) for _, src, dst in channels}:
         if channels["send", src, dst] != channels["recv", src, dst]:
             raise ValueError(f"table: rank {src} sends {channels['send', src, dst]} "

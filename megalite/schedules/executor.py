@@ -1,10 +1,12 @@
 """Run one pipeline rank's schedule table: `forward_backward(...)`.
 
-The table (gpipe, 1f1b or interleaved, from `megalite.schedules.tables`) is walked
-in order: each FORWARD / BACKWARD runs a model chunk, each maximal run of
+The table (any of `megalite.schedules.tables.SCHEDULES`) is walked in order: each
+FORWARD / BACKWARD runs a model chunk, each maximal run of
 sends/recvs is one batch posted on the pipeline group and waited for (the
 executor rule in tables.py, deadlock-free for every p >= 2). With p = 1 the 1f1b
-table is F B F B ...: plain gradient accumulation.
+table is F B F B ...: plain gradient accumulation. Split-backward schedules (zb-h1, zbv)
+run BACKWARD_INPUT inside `weight_grad.defer_weight_grads()`, keeping the queued
+weight-grad work by (chunk, microbatch) until its BACKWARD_WEIGHT applies it.
 
 Megatron semantics: `forward_step_func(data_iterator, model_chunk)` returns
 `(output_tensor, loss_func)`; on the last stage `loss_func(output_tensor)` returns
@@ -24,11 +26,13 @@ from torch import nn
 
 from megalite.models.sharding import unwrap
 from megalite.mpu import comm, parallel_state
+from megalite.mpu.weight_grad import apply_weight_grads, defer_weight_grads
 from megalite.schedules.p2p import Channel
-from megalite.schedules.tables import COMPUTE, Instruction, Kind, build_schedule
+from megalite.schedules.tables import COMPUTE, Instruction, Kind, Placement, build_schedule, placement
 
 LossDict = dict[str, torch.Tensor]
-BACKWARD_KINDS = frozenset({Kind.BACKWARD, Kind.SEND_BACKWARD, Kind.RECV_BACKWARD})
+BACKWARD_KINDS = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT,
+                            Kind.SEND_BACKWARD, Kind.RECV_BACKWARD})
 
 
 @functools.lru_cache(maxsize=32)
@@ -66,15 +70,17 @@ class _Run:
 
     def __init__(self, forward_step_func: Callable, iterators: list, chunks: list[nn.Module],
                  num_microbatches: int, channel: Channel, forward_only: bool,
-                 loss_scale: float) -> None:
+                 loss_scale: float, place: Placement) -> None:
         self.forward_step_func, self.iterators, self.chunks = forward_step_func, iterators, chunks
+        self.place, self.rank = place, parallel_state.get_pipeline_model_parallel_rank()
         self.m, self.channel = num_microbatches, channel
         self.forward_only, self.loss_scale = forward_only, loss_scale
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}        # received activations
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}       # outputs, or scaled losses
         self.output_grads: dict[tuple[int, int], torch.Tensor] = {}  # received grads
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}   # grads to send back
-        self.backwards: Counter = Counter()
+        self.weight_work: dict[tuple[int, int], list] = {}           # deferred by B, for W
+        self.backwards: Counter = Counter()  # by (B or W, chunk)
         self.losses: list[LossDict] = []
 
     def _select(self, chunk: int) -> nn.Module:
@@ -82,10 +88,21 @@ class _Run:
             parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
         return self.chunks[chunk]
 
+    def _local_previous(self, key: tuple[int, int]) -> tuple[int, int] | None:
+        """(chunk, microbatch) of the previous stage when it is on this rank (V placement)."""
+        stage = self.place.stage(self.rank, key[0])
+        if stage == 0:
+            return None
+        rank, chunk = self.place.locate(stage - 1)
+        return (chunk, key[1]) if rank == self.rank else None
+
     def forward(self, key: tuple[int, int]) -> None:
         chunk = self._select(key[0])
-        first = parallel_state.is_pipeline_first_stage()
-        last = parallel_state.is_pipeline_last_stage()
+        stage = self.place.stage(self.rank, key[0])
+        first, last = stage == 0, stage == self.place.num_stages - 1
+        if (previous := self._local_previous(key)) is not None:
+            handed = self.outputs.pop(previous) if self.forward_only else self.outputs[previous]
+            self.inputs[key] = handed.detach().requires_grad_(not self.forward_only)
         unwrap(chunk).set_input_tensor(None if first else self.inputs[key])
         output, loss_func = self.forward_step_func(self.iterators[key[0]], chunk)
         unwrap(chunk).set_input_tensor(None)  # the graph, and self.inputs, keep what is needed
@@ -99,19 +116,38 @@ class _Run:
                 return
         self.outputs[key] = output
 
-    def backward(self, key: tuple[int, int]) -> None:
-        """Backward of one chunk and microbatch; all but the chunk's last backward of the step
-        run inside `chunk.no_sync()` (when it has one), so DP grad reductions happen once."""
+    def _sync_on_last(self, chunk: nn.Module, key: tuple[int, int], kind: str):
+        """`chunk.no_sync()` (when it has one) unless this is the chunk's last B (or W) of the
+        step, so DP grad reductions start once, when the last grad of a bucket lands."""
+        self.backwards[kind, key[0]] += 1
+        no_sync = getattr(chunk, "no_sync", None)
+        last_of_chunk = self.backwards[kind, key[0]] == self.m
+        return contextlib.nullcontext() if last_of_chunk or no_sync is None else no_sync()
+
+    def backward(self, key: tuple[int, int], kind: Kind) -> None:
+        """BACKWARD (fused) or BACKWARD_INPUT (weight grads deferred) of one chunk and
+        microbatch; the grad of its input goes back (or to the previous stage on this rank)."""
         chunk = self._select(key[0])
         received = self.inputs.pop(key, None)
         output, grad = self.outputs.pop(key), self.output_grads.pop(key, None)
-        self.backwards[key[0]] += 1
-        no_sync = getattr(chunk, "no_sync", None)
-        last_of_chunk = self.backwards[key[0]] == self.m
-        with contextlib.nullcontext() if last_of_chunk or no_sync is None else no_sync():
+        split = kind is Kind.BACKWARD_INPUT
+        with self._sync_on_last(chunk, key, "B"), \
+                defer_weight_grads() if split else contextlib.nullcontext() as work:
             torch.autograd.backward(output, grad_tensors=grad)
+        if split:
+            self.weight_work[key] = work
         if received is not None:
-            self.input_grads[key] = received.grad
+            previous = self._local_previous(key)
+            if previous is None:
+                self.input_grads[key] = received.grad
+            else:
+                self.output_grads[previous] = received.grad
+
+    def weight_grads(self, key: tuple[int, int]) -> None:
+        """BACKWARD_WEIGHT: the weight grads that the BACKWARD_INPUT of `key` deferred."""
+        chunk = self._select(key[0])
+        with self._sync_on_last(chunk, key, "W"):
+            apply_weight_grads(self.weight_work.pop(key))
 
     def communicate(self, batch: list[Instruction]) -> None:
         ops = []
@@ -145,7 +181,8 @@ def share_losses(losses: list[LossDict], num_microbatches: int,
     group = parallel_state.get_pipeline_model_parallel_group()
     if comm.world_size(group) == 1:
         return losses
-    src = parallel_state.get_pipeline_model_parallel_ranks()[-1]
+    place = parallel_state.get_pipeline_placement()
+    src = parallel_state.get_pipeline_model_parallel_ranks()[place.locate(place.num_stages - 1)[0]]
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     keys = list(losses[0]) if last else []
     names = torch.tensor(list("\0".join(keys).encode()), dtype=torch.uint8, device=device)
@@ -169,9 +206,9 @@ def forward_backward(*, schedule: str, forward_step_func: Callable,
                      data_iterator: Iterator | list | None, model: nn.Module | list[nn.Module],
                      num_microbatches: int, seq_length: int, micro_batch_size: int,
                      forward_only: bool = False, loss_scale: float = 1.0) -> list[LossDict]:
-    """One step of schedule `schedule` ("gpipe", "1f1b", "interleaved") on this rank.
+    """One step of schedule `schedule` (a key of tables.SCHEDULES) on this rank.
 
-    model: this rank's chunk, or its list of v chunks (interleaved). data_iterator: one
+    model: this rank's chunk, or its list of v chunks (interleaved, zbv). data_iterator: one
     iterator (tee'd across chunks) or a list of one per chunk. Inter-stage tensors are
     [seq_length, micro_batch_size, hidden_size] in the model's parameter dtype.
     forward_only runs the forwards under no_grad (evaluation). Returns the per-microbatch
@@ -188,13 +225,19 @@ def forward_backward(*, schedule: str, forward_step_func: Callable,
     param = next(chunks[0].parameters())
     shape = (seq_length, micro_batch_size, unwrap(chunks[0]).config.hidden_size)
     run = _Run(forward_step_func, _chunk_iterators(data_iterator, v), chunks, num_microbatches,
-               Channel(shape, param.dtype, param.device), forward_only, loss_scale)
+               Channel(shape, param.dtype, param.device), forward_only, loss_scale,
+               placement(schedule, p, v))
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for is_compute, group in itertools.groupby(table, lambda ins: ins.kind in COMPUTE):
             if not is_compute:
                 run.communicate(list(group))
                 continue
             for ins in group:
-                step = run.forward if ins.kind is Kind.FORWARD else run.backward
-                step((ins.chunk, ins.microbatch))
+                key = (ins.chunk, ins.microbatch)
+                if ins.kind is Kind.FORWARD:
+                    run.forward(key)
+                elif ins.kind is Kind.BACKWARD_WEIGHT:
+                    run.weight_grads(key)
+                else:
+                    run.backward(key, ins.kind)
     return share_losses(run.losses, num_microbatches, param.device)
