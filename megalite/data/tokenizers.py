@@ -1,8 +1,9 @@
 """Tokenizers behind one small interface: sentencepiece models and local HF tokenizers.
 
 `build_tokenizer(path)` picks by what `path` is: a directory is a Hugging Face
-tokenizer (loaded with `AutoTokenizer.from_pretrained(dir, local_files_only=True)`),
-a file is a sentencepiece `.model`. Nothing here reaches the network.
+tokenizer (loaded with `AutoTokenizer.from_pretrained(dir, local_files_only=True)`), a
+`.gguf` file the tokenizer stored in it (transformers reads it), any other file a
+sentencepiece `.model`. Nothing here reaches the network.
 """
 from __future__ import annotations
 
@@ -49,13 +50,17 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A local Hugging Face tokenizer directory; `eod` is its eos token, else its sep token."""
+    """A local Hugging Face tokenizer directory, or the tokenizer inside a GGUF file; `eod` is
+    its eos token, else its sep token."""
 
     def __init__(self, directory: str) -> None:
         from transformers import AutoTokenizer
 
         self.directory = directory
-        self._tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        kw = {}
+        if directory.endswith(".gguf"):
+            directory, kw["gguf_file"] = os.path.split(directory)
+        self._tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kw)
         self.vocab_size = len(self._tok)
         eod = self._tok.eos_token_id if self._tok.eos_token_id is not None else self._tok.sep_token_id
         if eod is None:
@@ -72,10 +77,11 @@ class HFTokenizer(Tokenizer):
 
 
 def build_tokenizer(path: str) -> Tokenizer:
-    """A sentencepiece tokenizer for a `.model` file, an HF tokenizer for a directory."""
-    if os.path.isdir(path):
+    """A sentencepiece tokenizer for a `.model` file, an HF tokenizer for a directory or a
+    `.gguf` file."""
+    if os.path.isdir(path) or (path.endswith(".gguf") and os.path.isfile(path)):
         return HFTokenizer(path)
     if os.path.isfile(path):
         return SentencePieceTokenizer(path)
     raise FileNotFoundError(f"--tokenizer {path}: no such file or directory (expected a "
-                            f"sentencepiece .model file or a Hugging Face tokenizer directory)")
+                            f"sentencepiece .model file, a Hugging Face tokenizer directory or a .gguf file)")
