@@ -19,6 +19,7 @@ from megalite.schedules.accounting import (
     simulate,
 )
 from megalite.schedules.tables import Instruction, Kind, build_schedule, gpipe, interleaved_one_f_one_b, one_f_one_b
+from tests.schedule_checks import assert_dependencies_hold
 
 F, B = Kind.FORWARD, Kind.BACKWARD
 SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_FORWARD, Kind.RECV_FORWARD, Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
@@ -93,14 +94,7 @@ def test_recv_before_its_compute_and_send_after_it(case):
 def test_simulated_timeline_respects_dependencies(case):
     name, p, v, m = case
     spans = {(s.kind, stage(rank, s.chunk, p), s.microbatch): s for rank, rs in enumerate(timeline(*case).spans) for s in rs}
-    last = p * v - 1
-    for (kind, st, mb), span in spans.items():
-        if kind is F and st > 0:
-            assert span.start >= spans[F, st - 1, mb].end
-        if kind is B:
-            assert span.start >= spans[F, st, mb].end
-            if st < last:
-                assert span.start >= spans[B, st + 1, mb].end
+    assert_dependencies_hold(spans, p * v - 1)
 
 
 @each_case

@@ -19,6 +19,7 @@ from megalite.schedules.tables import Kind, build_schedule
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 from tests.reference import rel_err
+from tests.schedule_checks import assert_dependencies_hold
 
 F, B, W = Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 CASES = [(name, p, m) for p in (2, 3, 4, 8) for m in (p, 2 * p, 3 * p)
@@ -80,16 +81,7 @@ def test_simulated_timeline_respects_dependencies_without_deadlock(case):
     name, p, m = case
     spans = {(s.kind, stage(name, r, s.chunk, p), s.microbatch): s
              for r, rank in enumerate(simulate(table(*case)).spans) for s in rank}
-    last = p * chunks(name) - 1
-    for (kind, st, mb), span in spans.items():
-        if kind is F and st > 0:
-            assert span.start >= spans[F, st - 1, mb].end
-        if kind is B:
-            assert span.start >= spans[F, st, mb].end
-            if st < last:
-                assert span.start >= spans[B, st + 1, mb].end
-        if kind is W:
-            assert span.start >= spans[B, st, mb].end
+    assert_dependencies_hold(spans, p * chunks(name) - 1, backward=B)
 
 
 @pytest.mark.parametrize("p", (2, 3, 4, 8))
