@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from megalite import checkpointing
 from megalite.config import Configs, parse_configs
