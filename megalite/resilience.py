@@ -4,7 +4,7 @@ that makes every rank stop after the same step, and the fault-injection hook of 
 Fault injection (tests and drills only): the environment variable `MEGALITE_FAULT` holds
 comma-separated `KIND@ITERATION[:RANK]` entries (RANK: global rank, default every rank).
 During the forward step of that iteration on that rank:
-  nan_loss   the microbatch loss is multiplied by NaN (before backward)
+  nan_loss   the microbatch loss (and its logged values) is multiplied by NaN, before backward
   sigterm    the process sends itself SIGTERM
   sigkill    the process sends itself SIGKILL (dies mid-step, as on a node failure)
 e.g. `MEGALITE_FAULT=nan_loss@3:1 torchrun ...`. Unset, nothing changes.
@@ -104,7 +104,7 @@ def parse_faults(spec: str) -> list[Fault]:
 def _nan_loss(loss_func: Callable) -> Callable:
     def poisoned(*args, **kwargs):
         loss, logged = loss_func(*args, **kwargs)
-        return loss * float("nan"), logged
+        return loss * float("nan"), {k: v * float("nan") for k, v in logged.items()}
     return poisoned
 
 

@@ -32,9 +32,10 @@ def _with_faults(spec: str, argv: list[str]) -> tuple[dict, str | None]:
 
 
 def _nan_runs(prefix: str, root: str) -> tuple:
-    """A clean 2-step run, the same with a 3rd step whose loss is NaN on rank 3 only
+    """A clean run stopped after 2 steps, the same with a 3rd step whose loss is NaN on rank 3 only
     (last stage, DP rank 1), and a run stopped by two NaN steps in a row."""
-    clean = train(tiny_args(prefix, f"{root}/clean", 2, *PP2_DP2, *CONSTANT_LR))
+    clean = train(tiny_args(prefix, f"{root}/clean", 3, *PP2_DP2, *CONSTANT_LR,
+                            "--exit-interval", "2"))
     skipped, _ = _with_faults("nan_loss@3:3", tiny_args(prefix, f"{root}/skip", 3, *PP2_DP2,
                                                         *CONSTANT_LR))
     _, error = _with_faults("nan_loss@2:3,nan_loss@3:3", tiny_args(
@@ -71,7 +72,7 @@ def test_fp16_stuck_at_the_minimum_loss_scale_stops(tmp_path):
     error = run_on_ranks(1, _fp16_stuck, prefix, str(tmp_path))[0]
     # scale 4 -> 2 -> 1 (iterations 1, 2), then two skips at the minimum: iterations 2 and 3
     assert error.startswith("iteration 3: 2 consecutive steps skipped (fp16 overflow with the "
-                            "loss scale stuck at its minimum 1)"), error
+                            "loss scale stuck at its minimum 1;"), error
 
 
 def _sigterm_run(prefix: str, root: str) -> tuple[list[int], bool]:
