@@ -100,16 +100,16 @@ def portable_state_dict(optimizer: torch.optim.Optimizer) -> dict:
 
 
 def load_portable_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load a `portable_state_dict`, keeping this optimizer's implementation keys (and its
-    per-group step, if it keeps one, taken from the parameters' steps)."""
+    """Load a `portable_state_dict`, keeping this optimizer's implementation keys. Each group
+    also gets `step` (the largest of its parameters' steps) for optimizers that count steps
+    per group (apex FusedAdam); torch's optimizers ignore it."""
     own = optimizer.state_dict()["param_groups"]
     groups = [{**{k: v for k, v in mine.items() if k in IMPLEMENTATION_KEYS}, **saved}
               for mine, saved in zip(own, state["param_groups"])]
     optimizer.load_state_dict({"state": state["state"], "param_groups": groups})
     for group, saved in zip(optimizer.param_groups, state["param_groups"]):
-        if "step" in group:
-            steps = [state["state"].get(i, {}).get("step") for i in saved["params"]]
-            group["step"] = int(max((float(s) for s in steps if s is not None), default=0))
+        steps = [state["state"].get(i, {}).get("step") for i in saved["params"]]
+        group["step"] = int(max((float(s) for s in steps if s is not None), default=0))
 
 
 def optimizer_settings(config: OptimizerConfig) -> dict:
