@@ -34,7 +34,7 @@ class TrainingLogger:
             configs.model, shape.global_batch_size, configs.train.seq_length, padded)
         self.losses: list[float] = []
         self.grad_norm: float | None = None  # of the last applied step
-        self.skipped = 0
+        self.skipped = self.steps = 0
         self.start = time.time()
         t = configs.train
         writes = dist.get_rank() == dist.get_world_size() - 1
@@ -44,16 +44,16 @@ class TrainingLogger:
 
     def step(self, iteration: int, loss: float, stepped: bool, grad_norm: float | None,
              lr: float, loss_scale: float) -> None:
-        if stepped:
+        if math.isfinite(loss):
             self.losses.append(loss)
         if stepped:
             self.grad_norm = grad_norm
         self.skipped += not stepped
+        self.steps += 1
         t = self.configs.train
         if iteration % t.log_interval and iteration != t.train_iters:
             return
-        steps = len(self.losses) + self.skipped
-        elapsed = (time.time() - self.start) / max(1, steps)
+        elapsed = (time.time() - self.start) / self.steps
         fields = {
             self.loss_key: sum(self.losses) / len(self.losses) if self.losses else math.nan,
             "learning rate": lr,
@@ -74,7 +74,7 @@ class TrainingLogger:
                   f"TFLOP/s/device {fields['TFLOP/s per device']:.4f}",
                   f"mem {fields['peak memory MB']:,.0f} MB", f"skipped {self.skipped}"]
         log(" | ".join(parts))
-        self.losses, self.skipped, self.start = [], 0, time.time()
+        self.losses, self.skipped, self.steps, self.start = [], 0, 0, time.time()
 
     def validation(self, iteration: int, loss: float) -> None:
         perplexity = math.exp(min(20.0, loss))
