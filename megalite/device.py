@@ -65,15 +65,15 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
                             timeout=_timeout)
 
 
-def matmul_slowdown(dtype: torch.dtype, n: int = 256, reps: int = 3) -> float:
-    """Time of an n x n x n CPU matmul in `dtype` over the same in fp32 (best of `reps`).
+def matmul_slowdown(dtype: torch.dtype, n: int = 256) -> float:
+    """Time of an n x n x n CPU matmul in `dtype` over the same in fp32 (best of 2 and of 10).
 
-    About 0.1 s; > 1 means the CPU has no fast path for `dtype` (AVX2 without AVX512-BF16 /
-    AMX runs bf16 matmuls about 100x slower than fp32).
+    About 0.1-0.3 s; > 1 means the CPU has no fast path for `dtype` (AVX2 without
+    AVX512-BF16 / AMX runs bf16 matmuls up to ~100x slower than fp32).
     """
     import time
 
-    def best(dt: torch.dtype) -> float:
+    def best(dt: torch.dtype, reps: int) -> float:
         a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dt)  # no global RNG
         times = []
         for _ in range(reps):
@@ -81,7 +81,7 @@ def matmul_slowdown(dtype: torch.dtype, n: int = 256, reps: int = 3) -> float:
             a @ a
             times.append(time.perf_counter() - start)
         return min(times)
-    return best(dtype) / best(torch.float32)
+    return best(dtype, 2) / best(torch.float32, 10)
 
 
 def reduced_precision_warning(dtype: torch.dtype, threshold: float = 2.0) -> str | None:

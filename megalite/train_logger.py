@@ -33,7 +33,7 @@ class TrainingLogger:
         self.flops = flops if flops is not None else flops_per_iteration(
             configs.model, shape.global_batch_size, configs.train.seq_length, padded)
         self.losses: list[float] = []
-        self.grad_norm: float | None = None  # of the last applied step
+        self.grad_norm: float | None = None  # of the last step (None: not computed)
         self.skipped = self.steps = 0
         self.start = time.time()
         t = configs.train
@@ -46,8 +46,7 @@ class TrainingLogger:
              lr: float, loss_scale: float) -> None:
         if math.isfinite(loss):
             self.losses.append(loss)
-        if stepped:
-            self.grad_norm = grad_norm
+        self.grad_norm = grad_norm
         self.skipped += not stepped
         self.steps += 1
         t = self.configs.train
