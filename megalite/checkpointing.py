@@ -131,7 +131,8 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    finite = all(bool(torch.isfinite(p).all()) for c in model for p in c.parameters())
+    finite = bool(torch.stack([torch.isfinite(p).all() for c in model for p in c.parameters()])
+                  .all())  # one device sync
     if ps.get_data_parallel_rank() == 0:
         weights = {}
         for chunk in model:
