@@ -36,6 +36,7 @@ from megalite.models.sharding import (full_state_dict, gather_pipeline_state_dic
                                       load_full_state_dict)
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import get_optimizer
+from megalite.resilience import NonFiniteError, SkipGuard
 from megalite.training import (RunShape, TrainingLogger, build_model, evaluate, log, log_pipeline,
                                setup_parallel, train_step, validate_configs)
 
@@ -249,6 +250,7 @@ def finetune(configs: Configs) -> FinetuneResult:
         configs.model, shape.global_batch_size, t.seq_length, 0))
     losses: dict[int, float] = {}
     best_state, best_epoch, iteration = None, 0, 0
+    guard = SkipGuard(t.max_skipped_steps)
     n_train = len(task.train["labels"])
     for epoch in range(1, ft.epochs + 1):
         order = torch.randperm(n_train, generator=torch.Generator().manual_seed(t.seed + epoch))
@@ -263,6 +265,7 @@ def finetune(configs: Configs) -> FinetuneResult:
                 scheduler.step()
             logger.step(iteration, loss, stepped, grad_norm, scheduler.get_lr(),
                         optimizer.loss_scale)
+            guard.update(iteration, stepped, optimizer.scaler)
         counts.append(count_correct(task.valid, model, configs, shape))
         improved = best_state is None or counts[-1][0] > counts[best_epoch][0]
         log(f"epoch {epoch}/{ft.epochs} | validation accuracy {_accuracy(counts[-1])}"
@@ -273,6 +276,7 @@ def finetune(configs: Configs) -> FinetuneResult:
                 save_best(configs, iteration, best_epoch * task.steps_per_epoch, model, optimizer,
                           scheduler, shape)
             best_epoch = epoch
+    logger.close()
     if best_epoch != ft.epochs:
         load_full_state_dict(model, best_state)
     if ft.export_dir and dist.get_rank() == 0:
@@ -285,7 +289,11 @@ def finetune(configs: Configs) -> FinetuneResult:
 
 
 def main(argv: list[str] | None = None) -> FinetuneResult:
-    result = finetune(parse_configs(argv, __doc__, DEFAULTS, optional=("finetune",)))
+    try:
+        result = finetune(parse_configs(argv, __doc__, DEFAULTS, optional=("finetune",)))
+    except NonFiniteError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     dist.barrier()
     dist.destroy_process_group()
     return result

@@ -5,12 +5,13 @@ Own data: `--data-path PREFIX --tokenizer TOKENIZER` (see tools/preprocess_data.
 """
 import functools
 import os
+import sys
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from megalite import device
+from megalite import checkpointing, device
 from megalite.config import Configs, parse_configs
 from megalite.data.builtin_corpus import builtin_corpus
 from megalite.data.gpt_dataset import build_gpt_datasets, parse_data_path
@@ -18,6 +19,7 @@ from megalite.data.samplers import PretrainingSampler, batch_iterator
 from megalite.data.tokenizers import build_tokenizer
 from megalite.models import GPTModel
 from megalite.mpu import parallel_state as ps
+from megalite.resilience import NonFiniteError
 from megalite.training import pretrain
 
 # A small GPT that trains visibly on 2 CPU cores in a few minutes.
@@ -27,14 +29,39 @@ DEFAULTS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length
                 hidden_dropout=0.0, attention_dropout=0.0, save="checkpoints/gpt_default")
 
 
+def take_tokenizer_vocab(configs: Configs) -> None:
+    """--vocab-size from --tokenizer; ValueError if an explicit --vocab-size disagrees."""
+    try:
+        size = build_tokenizer(configs.data.tokenizer).vocab_size
+    except (OSError, ValueError):
+        raise
+    except Exception as error:  # sentencepiece / transformers reading a foreign file
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"--tokenizer {configs.data.tokenizer}: cannot be read as a tokenizer "
+                         f"({reason})") from None
+    if "vocab_size" in configs.explicit and configs.model.vocab_size != size:
+        raise ValueError(f"--vocab-size {configs.model.vocab_size} disagrees with --tokenizer "
+                         f"{configs.data.tokenizer} ({size} tokens); drop --vocab-size")
+    configs.model.vocab_size = size
+
+
+def check_inputs(configs: Configs) -> None:
+    """Before any process group: the vocabulary size from --tokenizer or, when resuming
+    without either flag, from the checkpoint."""
+    if configs.data.tokenizer:
+        take_tokenizer_vocab(configs)
+    elif "vocab_size" not in configs.explicit and configs.checkpoint.load and \
+            (meta := checkpointing.read_meta(configs.checkpoint.load)):
+        configs.model.vocab_size = meta["model_config"]["vocab_size"]
+
+
 def prepare(configs: Configs) -> None:
     """Build the built-in corpus on first use (rank 0) and take the tokenizer's vocabulary."""
     if not configs.data.data_path:
         corpus = builtin_corpus(is_builder_rank=dist.get_rank() == 0, barrier=dist.barrier)
         configs.data.data_path = [corpus.data_prefix]
         configs.data.tokenizer = corpus.tokenizer_path
-    if configs.data.tokenizer:
-        configs.model.vocab_size = build_tokenizer(configs.data.tokenizer).vocab_size
+        take_tokenizer_vocab(configs)
 
 
 def model_provider(configs: Configs, pre_process: bool, post_process: bool) -> torch.nn.Module:
@@ -75,8 +102,14 @@ def datasets_provider(configs: Configs, num_samples: tuple[int, int, int], consu
 
 def main(argv: list[str] | None = None) -> None:
     configs = parse_configs(argv, __doc__, DEFAULTS)
-    pretrain(configs, functools.partial(model_provider, configs), forward_step,
-             datasets_provider, prepare=prepare)
+    if not {"save", "load"} & configs.explicit:  # the default run resumes its own checkpoint
+        configs.checkpoint.load = configs.checkpoint.save
+    try:
+        pretrain(configs, functools.partial(model_provider, configs), forward_step,
+                 datasets_provider, prepare=prepare, check_inputs=check_inputs)
+    except NonFiniteError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     dist.barrier()
     dist.destroy_process_group()
 

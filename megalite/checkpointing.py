@@ -1,15 +1,24 @@
-"""Sharded, atomic checkpoints with exact resume and resharding to another layout.
+"""Sharded, atomic, pickle-free checkpoints with exact resume and resharding to another layout.
 
 Layout of `<dir>/iter_<N:07d>/`:
-  meta.pt           iteration, consumed samples, model config, parallel layout (rank 0)
-  model_pp<P>.pt    full (TP-gathered, unpadded) parameters of pipeline stage P, global names
-  rank_<R>.pt       per-rank optimizer (incl. distributed-optimizer shard), scaler, scheduler, RNG
+  meta.json                   iteration, consumed samples, the whole model config, parameter
+                              dtype, optimizer settings, parallel layout (rank 0)
+  model_pp<P>.safetensors     full (TP-gathered, unpadded) parameters of pipeline stage P,
+                              global names: readable by any safetensors tool
+  rank_<R>.json/.safetensors  per-rank optimizer (incl. distributed-optimizer shard), loss
+                              scaler, scheduler and RNG states (checkpoint_io: JSON + tensors)
 `<dir>/latest_checkpointed_iteration.txt` names the newest complete iteration.
 
-A save writes into `iter_<N>.tmp`, renames it once every rank has finished, then
-replaces the marker, so an interrupted save never becomes what `--load` picks.
-Because model files hold full tensors, a checkpoint loads under any TP/PP/DP layout;
-optimizer and RNG state are restored only under the layout that wrote them.
+Nothing is unpickled. A save writes into `iter_<N>.tmp`, fsyncs every file and directory,
+checks on every rank that the weights are finite, renames the directory once every rank
+has finished (an older copy of the same iteration is moved aside first and deleted only
+after the new one is in place) and then replaces the marker, so an interrupted save never
+becomes what `--load` picks. Because model files hold full tensors, a checkpoint loads
+under any TP/PP/DP layout; optimizer and RNG state are restored only under the layout and
+optimizer settings that wrote them (otherwise the weights are loaded and the optimizer
+starts fresh, with one printed line). `verify_checkpoint` checks, with no communication,
+that every file the run needs exists and is complete, so every rank reports the same
+error line.
 """
 import dataclasses
 import os
@@ -20,16 +29,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint_io import (CheckpointFileError, fsync_dir, load_state, read_json,
+                                    read_tensors, safetensors_shapes, save_state, state_files,
+                                    write_json, write_tensors)
 from megalite.config import ModelConfig
-from megalite.models.sharding import full_state_dict, load_full_state_dict
+from megalite.models.sharding import full_state_dict, unwrap
 from megalite.models.spec import stage_of
+from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps
+from megalite.mpu.layers import shard_tensor_parallel
 from megalite.mpu.random import get_rng_tracker
 
 MARKER = "latest_checkpointed_iteration.txt"
-# Fields that change parameter shapes: a mismatch makes a checkpoint unloadable.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                "vocab_size", "max_position_embeddings", "num_tokentypes")
+FORMAT = 2
+# ModelConfig fields that may change between save and load: they change neither the
+# parameters nor what they mean. Every other field (those added later too) must match.
+RESUMABLE_MODEL_FIELDS = frozenset({
+    "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
+    "recompute_granularity", "recompute_method", "recompute_num_layers"})
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -37,7 +54,21 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _layout() -> dict:
+def _published_dir(root: str, iteration: int) -> str:
+    """iter_N, or its previous copy if a re-save of N stopped between its two renames."""
+    final = iteration_dir(root, iteration)
+    return final if os.path.isdir(final) or not os.path.isdir(final + ".old") else final + ".old"
+
+
+def model_file(directory: str, pp_rank: int) -> str:
+    return os.path.join(directory, f"model_pp{pp_rank:03d}.safetensors")
+
+
+def rank_state_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank_{rank:05d}")
+
+
+def current_layout() -> dict:
     return {"tp": ps.get_tensor_model_parallel_world_size(),
             "pp": ps.get_pipeline_model_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(),
@@ -68,36 +99,64 @@ def _write_atomic_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def _params_dtype(model: list[torch.nn.Module]) -> str:
+    return str(next(model[0].parameters()).dtype).removeprefix("torch.")
+
+
+def _publish(root: str, iteration: int, tmp: str) -> None:
+    """Move the complete `tmp` to iter_N (keeping any old iter_N until then) and mark it."""
+    final = iteration_dir(root, iteration)
+    fsync_dir(tmp)
+    old = final + ".old"
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    _write_atomic_text(os.path.join(root, MARKER), str(iteration))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
                     scheduler, consumed_samples: int, model_config: ModelConfig) -> None:
-    """Collective over the world: every rank writes its part, rank 0 publishes it."""
+    """Collective over the world: every rank writes its part, rank 0 publishes it.
+
+    Raises ValueError on every rank (publishing nothing) if any rank's weights are not finite.
+    """
     rank = dist.get_rank()
-    final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
+    tmp = iteration_dir(root, iteration) + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
+    finite = bool(torch.stack([torch.isfinite(p).all() for c in model for p in c.parameters()])
+                  .all())  # one device sync
     if ps.get_data_parallel_rank() == 0:
         weights = {}
         for chunk in model:
             weights.update(full_state_dict(chunk))
-        if ps.get_tensor_model_parallel_rank() == 0:
-            pp_rank = ps.get_pipeline_model_parallel_rank()
-            torch.save(weights, os.path.join(tmp, f"model_pp{pp_rank:03d}.pt"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": _rng_state()}, os.path.join(tmp, f"rank_{rank:05d}.pt"))
+        if ps.get_tensor_model_parallel_rank() == 0 and finite:
+            write_tensors(model_file(tmp, ps.get_pipeline_model_parallel_rank()), weights)
+    if finite:
+        save_state(rank_state_path(tmp, rank), {
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "rng": _rng_state()})
+    if rank == 0 and finite:
+        write_json(os.path.join(tmp, "meta.json"), {
+            "format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+            "model_config": dataclasses.asdict(model_config),
+            "params_dtype": _params_dtype(model), "optimizer": optimizer.settings(),
+            "layout": current_layout()})
+    bad = torch.tensor([0.0 if finite else 1.0], device=next(model[0].parameters()).device)
+    comm.all_reduce(bad, dist.group.WORLD, op=dist.ReduceOp.MAX)
+    if bad.item():
+        raise ValueError(f"save at iteration {iteration}: the weights hold NaN/Inf; {root} "
+                         f"keeps its last good checkpoint")
     if rank == 0:
-        torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
-                    "model_config": dataclasses.asdict(model_config), "layout": _layout()},
-                   os.path.join(tmp, "meta.pt"))
-    dist.barrier()
-    if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _write_atomic_text(os.path.join(root, MARKER), str(iteration))
+        _publish(root, iteration, tmp)
     dist.barrier()
 
 
@@ -107,7 +166,7 @@ def latest_iteration(root: str) -> int | None:
     if not os.path.exists(path):
         return None
     text = open(path).read().strip()
-    if not text.isdigit() or not os.path.isdir(iteration_dir(root, int(text))):
+    if not text.isdigit() or not os.path.isdir(_published_dir(root, int(text))):
         raise ValueError(f"--load {root}: {MARKER} names {text!r}, which is not a complete "
                          f"checkpoint directory")
     return int(text)
@@ -118,27 +177,75 @@ def read_meta(root: str) -> dict | None:
     iteration = latest_iteration(root)
     if iteration is None:
         return None
-    return torch.load(os.path.join(iteration_dir(root, iteration), "meta.pt"), weights_only=False)
+    meta = read_json(os.path.join(_published_dir(root, iteration), "meta.json"))
+    if meta.get("format") != FORMAT:
+        raise CheckpointFileError(f"{root}: checkpoint format {meta.get('format')}, expected "
+                                  f"{FORMAT} (written by another megalite version)")
+    return meta
 
 
-def check_compatible(meta: dict, model_config: ModelConfig, root: str) -> None:
-    """One clear error naming the first shape field that differs."""
-    for name in SHAPE_FIELDS:
-        theirs, ours = meta["model_config"].get(name), getattr(model_config, name)
-        if theirs != ours:
+def check_compatible(meta: dict, model_config: ModelConfig, root: str,
+                     params_dtype: torch.dtype | None = None) -> None:
+    """One clear error naming the first model field (or the precision) that differs.
+
+    Every ModelConfig field must match except RESUMABLE_MODEL_FIELDS. A weights-only
+    checkpoint (tools/convert_checkpoint.py) has no precision and loads under any.
+    """
+    for name, ours in dataclasses.asdict(model_config).items():
+        theirs = meta["model_config"].get(name)
+        if name not in RESUMABLE_MODEL_FIELDS and theirs != ours:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"--load {root}: checkpoint has {name}={theirs}, this run has "
                              f"{flag} {ours}")
+    theirs = meta.get("params_dtype")
+    ours = str(params_dtype).removeprefix("torch.") if params_dtype is not None else None
+    if theirs and ours and theirs != ours:
+        raise ValueError(f"--load {root}: checkpoint was trained with {theirs} parameters, this "
+                         f"run uses {ours} (use the same --bf16/--fp16, or make a weights-only "
+                         f"copy with tools/convert_checkpoint.py --direction reshard)")
 
 
-def load_model_weights(root: str, iteration: int, model: list[torch.nn.Module]) -> None:
+def restores_optimizer(meta: dict, optimizer_settings: dict, layout: dict) -> bool:
+    """Whether the per-rank optimizer/RNG files apply: same layout and optimizer settings."""
+    return meta.get("optimizer") == optimizer_settings and meta["layout"] == layout
+
+
+def verify_checkpoint(root: str, meta: dict, layout: dict, world_size: int,
+                      optimizer_settings: dict) -> None:
+    """Every file the load needs exists and is complete (headers only, no communication):
+    the model file of every saved stage and, when the optimizer state applies, every
+    rank's state. Raises CheckpointFileError naming the first bad file."""
+    directory = _published_dir(root, meta["iteration"])
+    for stage in range(meta["layout"]["pp"]):
+        safetensors_shapes(model_file(directory, stage))
+    if restores_optimizer(meta, optimizer_settings, layout):
+        for rank in range(world_size):
+            json_path, tensor_path = state_files(rank_state_path(directory, rank))
+            read_json(json_path)
+            safetensors_shapes(tensor_path)
+
+
+def read_model_weights(root: str, meta: dict) -> dict[str, torch.Tensor]:
+    """The full state dict of every stage of the checkpoint `meta` describes."""
+    directory, full = _published_dir(root, meta["iteration"]), {}
+    for stage in range(meta["layout"]["pp"]):
+        full.update(read_tensors(model_file(directory, stage)))
+    return full
+
+
+@torch.no_grad()
+def load_model_weights(root: str, meta: dict, model: list[torch.nn.Module]) -> None:
     """Fill this rank's shards from the full per-stage files (any TP/PP layout)."""
-    directory = iteration_dir(root, iteration)
-    full: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(directory)):
-        if name.startswith("model_pp"):
-            full.update(torch.load(os.path.join(directory, name), weights_only=True))
-    load_full_state_dict(model, full)
+    full = read_model_weights(root, meta)
+    directory = _published_dir(root, meta["iteration"])
+    for chunk in model:
+        for name, param in unwrap(chunk).named_parameters():
+            if name not in full:
+                raise CheckpointFileError(f"{directory}: no model file holds parameter {name!r}")
+            try:
+                param.copy_(shard_tensor_parallel(full[name].to(param.dtype), param))
+            except ValueError as error:
+                raise CheckpointFileError(f"{directory}: parameter {name!r}: {error}") from None
 
 
 def load_checkpoint(root: str, model: list[torch.nn.Module], optimizer, scheduler,
@@ -147,21 +254,27 @@ def load_checkpoint(root: str, model: list[torch.nn.Module], optimizer, schedule
     meta = read_meta(root)
     if meta is None:
         return 0, 0
-    check_compatible(meta, model_config, root)
+    check_compatible(meta, model_config, root, next(model[0].parameters()).dtype)
+    layout, settings = current_layout(), optimizer.settings()
+    verify_checkpoint(root, meta, layout, dist.get_world_size(), settings)
     iteration = meta["iteration"]
-    load_model_weights(root, iteration, model)
-    rank_file = os.path.join(iteration_dir(root, iteration), f"rank_{dist.get_rank():05d}.pt")
-    if meta["layout"] == _layout() and os.path.exists(rank_file):
-        state = torch.load(rank_file, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+    load_model_weights(root, meta, model)
+    if restores_optimizer(meta, settings, layout):
+        path = rank_state_path(_published_dir(root, iteration), dist.get_rank())
+        state = load_state(path)
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except ValueError as error:
+            raise CheckpointFileError(f"{path}.safetensors: {error}") from None
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
     else:
         optimizer.reload_model_params()
         scheduler.step(increment=0, iteration=iteration)
         if dist.get_rank() == 0:
-            print(f"loaded weights only (saved under layout {meta['layout']}, running "
-                  f"{_layout()}): optimizer state and RNG start fresh", flush=True)
+            print(f"loaded weights only (saved under layout {meta['layout']} with optimizer "
+                  f"{meta.get('optimizer')}, running {layout} with {settings}): optimizer state "
+                  f"and RNG start fresh", flush=True)
     return iteration, meta["consumed_samples"]
 
 
@@ -170,35 +283,27 @@ def read_full_model(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
     meta = read_meta(root)
     if meta is None:
         raise FileNotFoundError(f"{root}: no {MARKER} (expected a megalite checkpoint directory)")
-    directory, full = iteration_dir(root, meta["iteration"]), {}
-    for name in sorted(os.listdir(directory)):
-        if name.startswith("model_pp"):
-            full.update(torch.load(os.path.join(directory, name), weights_only=True))
-    return meta, full
+    return meta, read_model_weights(root, meta)
 
 
 def write_weights_checkpoint(root: str, full: dict[str, torch.Tensor], model_config: ModelConfig,
                              tp: int = 1, pp: int = 1, iteration: int = 0) -> None:
-    """A weights-only checkpoint (no optimizer state) split into `pp` stage files; single process.
-
-    Loads under any layout: the files hold full tensors, sliced by each rank on load.
-    """
+    """A weights-only checkpoint (no optimizer state, no precision) split into `pp` stage
+    files; single process. Loads under any layout and precision: the files hold full
+    tensors, sliced (and cast) by each rank on load."""
     if model_config.num_layers % pp:
         raise ValueError(f"--target-pp ({pp}) must divide the model's {model_config.num_layers} "
                          f"layers")
-    tmp, final = iteration_dir(root, iteration) + ".tmp", iteration_dir(root, iteration)
+    tmp = iteration_dir(root, iteration) + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     stages: list[dict[str, torch.Tensor]] = [{} for _ in range(pp)]
     for name, tensor in full.items():
         stages[stage_of(name, model_config.num_layers, pp)][name] = tensor
     for stage, weights in enumerate(stages):
-        torch.save(weights, os.path.join(tmp, f"model_pp{stage:03d}.pt"))
-    torch.save({"iteration": iteration, "consumed_samples": 0,
-                "model_config": dataclasses.asdict(model_config),
-                "layout": {"tp": tp, "pp": pp, "dp": 1, "vpp": None}},
-               os.path.join(tmp, "meta.pt"))
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _write_atomic_text(os.path.join(root, MARKER), str(iteration))
+        write_tensors(model_file(tmp, stage), weights)
+    write_json(os.path.join(tmp, "meta.json"), {
+        "format": FORMAT, "iteration": iteration, "consumed_samples": 0,
+        "model_config": dataclasses.asdict(model_config), "params_dtype": None,
+        "optimizer": None, "layout": {"tp": tp, "pp": pp, "dp": 1, "vpp": None}})
+    _publish(root, iteration, tmp)

@@ -189,7 +189,16 @@ class TrainConfig:
     eval_iters: int = arg(10, "microbatch-steps per evaluation")
     log_interval: int = arg(10, "log every N steps")
     seed: int = arg(1234, "random seed")
-    tensorboard_dir: str | None = arg(None, "write TensorBoard scalars here (optional)")
+    tensorboard_dir: str | None = arg(None, "write every logged field as TensorBoard scalars "
+                                      "here (needs the optional tensorboard package)")
+    max_skipped_steps: int = arg(5, "stop with an error after this many consecutive steps "
+                                 "skipped for a non-finite loss or grad norm (fp16: counted "
+                                 "once the loss scale is at its minimum)")
+    exit_signal_handler: bool = arg(True, "on SIGTERM/SIGINT (any rank) finish the step, save "
+                                    "(with --save) and exit 0", negatable=True)
+    wandb_project: str | None = arg(None, "log every field to this Weights & Biases project "
+                                    "(needs the optional wandb package; WANDB_MODE=offline "
+                                    "works without network)")
 
 
 @dataclass
@@ -209,7 +218,8 @@ class CheckpointConfig:
 
     save: str | None = arg(None, "checkpoint directory to write")
     load: str | None = arg(None, "checkpoint directory to resume from")
-    save_interval: int | None = arg(None, "save every N steps (and at the end)")
+    save_interval: int | None = arg(None, "save every N steps and at the end (default with "
+                                    "--save: a tenth of --train-iters, between 10 and 1000)")
 
 
 @dataclass
@@ -244,6 +254,38 @@ class FinetuneConfig:
                                     "(when --lr-warmup-iters is 0)")
     export_dir: str | None = arg(None, "write the best model here as a transformers directory "
                                  "(BertForSequenceClassification + tokenizer)")
+
+
+# Smallest accepted value of numeric flags, checked before any config is built (so a zero
+# never reaches a division): one table for every config class.
+MINIMUM = {
+    "num_layers": 1, "hidden_size": 1, "num_attention_heads": 1, "ffn_hidden_size": 1,
+    "vocab_size": 1, "max_position_embeddings": 1, "make_vocab_size_divisible_by": 1,
+    "layernorm_epsilon": 0.0, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+    "init_method_std": 0.0, "num_tokentypes": 0, "recompute_num_layers": 1,
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+    "data_parallel_size": 1, "virtual_pipeline_model_parallel_size": 1,
+    "distributed_timeout_minutes": 0.0, "loss_scale": 0.0, "initial_loss_scale": 0.0,
+    "min_loss_scale": 0.0, "loss_scale_window": 1, "hysteresis": 1, "lr": 0.0, "min_lr": 0.0,
+    "lr_warmup_iters": 0, "lr_decay_iters": 1, "weight_decay": 0.0, "adam_eps": 0.0,
+    "clip_grad": 0.0, "ddp_bucket_size": 1, "micro_batch_size": 1, "global_batch_size": 1,
+    "seq_length": 1, "train_iters": 0, "exit_interval": 1, "eval_interval": 0,
+    "eval_iters": 0, "log_interval": 1, "max_skipped_steps": 1, "save_interval": 1,
+    "num_labels": 2, "epochs": 1,
+}
+# Of these, the ones that must be strictly greater than their minimum.
+STRICTLY_ABOVE = frozenset({"distributed_timeout_minutes", "loss_scale", "initial_loss_scale",
+                            "min_loss_scale", "adam_eps"})
+
+
+def check_minimum(name: str, value) -> None:
+    """ValueError (one line naming the flag) if a numeric flag is below its minimum."""
+    low = MINIMUM.get(name)
+    if low is None or value is None:
+        return
+    if value < low or (name in STRICTLY_ABOVE and value <= low):
+        relation = ">" if name in STRICTLY_ABOVE else ">="
+        raise ValueError(f"--{name.replace('_', '-')} ({value}) must be {relation} {low}")
 
 
 def _base_type(tp):
@@ -282,6 +324,8 @@ def build_parser(config_classes: list[type], description: str = "") -> argparse.
 
 def config_from_args(config_cls, args: argparse.Namespace):
     """Build `config_cls` from parsed args; a ValueError from validation exits with one line."""
+    for f in dataclasses.fields(config_cls):
+        check_minimum(f.name, getattr(args, f.name))
     return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
 
 
@@ -297,6 +341,7 @@ class Configs:
     data: DataConfig
     checkpoint: CheckpointConfig
     finetune: FinetuneConfig | None = None
+    explicit: frozenset[str] = frozenset()  # fields set on the command line (not defaults)
 
 
 def parse_configs(argv: list[str] | None = None, description: str = "",
@@ -310,8 +355,14 @@ def parse_configs(argv: list[str] | None = None, description: str = "",
     parser = build_parser(list(sections.values()), description)
     if defaults:
         parser.set_defaults(**defaults)
-    args = parser.parse_args(argv)
+    unset = object()
+    dests = [a.dest for a in parser._actions if a.dest != "help"]
+    args = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(dests, unset)))
+    explicit = frozenset(d for d in dests if getattr(args, d) is not unset)
+    for dest in set(dests) - explicit:
+        setattr(args, dest, parser.get_default(dest))
     try:
-        return Configs(**{name: config_from_args(cls, args) for name, cls in sections.items()})
+        return Configs(**{name: config_from_args(cls, args) for name, cls in sections.items()},
+                       explicit=explicit)
     except ValueError as error:
         parser.exit(2, f"error: {error}\n")

@@ -9,6 +9,14 @@ import socket
 import torch
 import torch.distributed as dist
 
+_timeout: datetime.timedelta | None = None
+
+
+def process_group_timeout() -> datetime.timedelta | None:
+    """The bound `init_distributed` put on collective waits (None before it ran); every
+    process group megalite creates gets the same one."""
+    return _timeout
+
 
 def device_type() -> str:
     """'cuda' when a GPU is available, else 'cpu'."""
@@ -39,8 +47,10 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
 
     `timeout_s` bounds every collective, so a dead peer ends the job instead of hanging it.
     """
+    global _timeout
     if dist.is_initialized():
         return
+    _timeout = datetime.timedelta(seconds=timeout_s)
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     if device_type() == "cuda":
@@ -52,4 +62,36 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
                                "(launch with torchrun or tools/run_multinode.sh)")
         init_method = f"tcp://127.0.0.1:{_free_port()}"  # a lone process: any free port
     dist.init_process_group(backend(), init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+                            timeout=_timeout)
+
+
+def matmul_slowdown(dtype: torch.dtype, n: int = 256) -> float:
+    """Time of an n x n x n CPU matmul in `dtype` over the same in fp32 (best of 2 and of 10).
+
+    About 0.1-0.3 s; > 1 means the CPU has no fast path for `dtype` (AVX2 without
+    AVX512-BF16 / AMX runs bf16 matmuls up to ~100x slower than fp32).
+    """
+    import time
+
+    def best(dt: torch.dtype, reps: int) -> float:
+        a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dt)  # no global RNG
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            a @ a
+            times.append(time.perf_counter() - start)
+        return min(times)
+    return best(dtype, 2) / best(torch.float32, 10)
+
+
+def reduced_precision_warning(dtype: torch.dtype, threshold: float = 2.0) -> str | None:
+    """One warning line when `dtype` matmuls are over `threshold` times slower than fp32 on
+    this CPU (see matmul_slowdown), else None."""
+    ratio = matmul_slowdown(dtype)
+    if ratio <= threshold:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return (f"warning: {name} matmuls run {ratio:.0f}x slower than fp32 on this CPU (capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, no native {name} support): training "
+            f"with --{'bf16' if dtype == torch.bfloat16 else 'fp16'} here is slower, not "
+            f"faster; drop the flag or use a GPU")

@@ -7,7 +7,6 @@ bad flag ends every rank with one line instead of a hang.
 import math
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -16,20 +15,20 @@ import torch.distributed as dist
 
 from megalite import checkpointing, device
 from megalite.config import Configs
-from megalite.data.gpt_dataset import parse_data_path
-from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.gpt_dataset import check_data
 from megalite.distributed import DistributedDataParallel
-from megalite.metrics import flops_per_iteration, peak_memory_mb
+from megalite.log_writers import check_available
 from megalite.models.stage import (build_model_chunks, finalize_model_grads,
                                    sync_shared_embedding)
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.attention import check_attention_partition
-from megalite.mpu.layers import pad_vocab_size
-from megalite.optimizer import get_optimizer
+from megalite.optimizer import get_optimizer, optimizer_settings
 from megalite.optimizer.scheduler import check_decay_iters
+from megalite.resilience import ExitSignalHandler, SkipGuard, inject_faults, parse_faults
 from megalite.schedules import get_forward_backward_func, resolve_schedule
 from megalite.schedules.accounting import pipeline_summary
+from megalite.train_logger import TrainingLogger, log
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,9 @@ def validate_configs(configs: Configs, world_size: int) -> RunShape:
     if global_batch % (t.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size ({global_batch}) must be divisible by "
                          f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})")
-    for prefix in parse_data_path(configs.data.data_path)[1] if configs.data.data_path else []:
-        IndexedDataset(prefix)  # missing, truncated or foreign files fail here, with the name
+    if configs.data.data_path:  # missing, truncated, empty or out-of-vocabulary data
+        check_data(configs.data.data_path, configs.data.split, m.vocab_size,
+                   needs_train=t.train_iters > 0)
     o = configs.optimizer
     check_decay_iters(o.lr_decay_style, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters)
     microbatches = global_batch // (t.micro_batch_size * dp)
@@ -118,21 +118,17 @@ def log_pipeline(configs: Configs, shape: RunShape) -> None:
             f"x PP), better 4x that")
 
 
-def log(message: str) -> None:
-    """Print once per job (global rank 0)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
-
-
 def setup_parallel(configs: Configs) -> None:
     """Join the job, build the process grid and seed the RNG streams."""
     p = configs.parallel
-    device.init_distributed(timeout_s=p.distributed_timeout_minutes * 60)
+    timeout_s = p.distributed_timeout_minutes * 60
+    device.init_distributed(timeout_s=timeout_s)
     initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                               p.virtual_pipeline_model_parallel_size,
                               v_shape_placement=resolve_schedule(
                                   p.pipeline_schedule, p.pipeline_model_parallel_size,
-                                  p.virtual_pipeline_model_parallel_size) == "zbv")
+                                  p.virtual_pipeline_model_parallel_size) == "zbv",
+                              timeout_s=timeout_s)
     model_parallel_seed(configs.train.seed, ps.get_tensor_model_parallel_rank(),
                         ps.get_pipeline_model_parallel_rank())
 
@@ -167,15 +163,17 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
                configs: Configs, shape: RunShape, loss_key: str = "lm loss"
                ) -> tuple[float, bool, float | None]:
     """One optimizer step over all microbatches: (mean `loss_key` value on every rank, stepped,
-    grad norm)."""
+    grad norm). The loss is the same on every rank (shared over PP, averaged over DP), so a
+    NaN/Inf loss anywhere skips the step everywhere, as a non-finite grad norm does."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = run_schedule(forward_step_func, data_iterator, model, configs, shape,
                           forward_only=False, loss_scale=optimizer.loss_scale)
     finalize_model_grads(model)
-    stepped, grad_norm = optimizer.step()
-    return _mean_over_data_parallel(losses, loss_key), stepped, grad_norm
+    loss = _mean_over_data_parallel(losses, loss_key)
+    stepped, grad_norm = optimizer.step(loss_is_finite=math.isfinite(loss))
+    return loss, stepped, grad_norm
 
 
 def _mean_over_data_parallel(losses: list[dict], key: str) -> float:
@@ -214,87 +212,85 @@ def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list,
     return totals
 
 
-class TrainingLogger:
-    """Megatron-style log lines: loss, lr, grad norm, loss scale, tokens/s, TFLOP/s, memory.
+def default_save_interval(train_iters: int) -> int:
+    """--save-interval when --save is given without it: a tenth of the run, 10 to 1000 steps."""
+    return max(10, min(1000, train_iters // 10))
 
-    `loss_key` names the logged loss; `flops` is the model FLOPs of one iteration (default:
-    a language model's, whose output layer spans the padded vocabulary).
-    """
 
-    def __init__(self, configs: Configs, shape: RunShape, loss_key: str = "lm loss",
-                 flops: float | None = None) -> None:
-        self.configs, self.shape, self.loss_key = configs, shape, loss_key
-        padded = pad_vocab_size(configs.model.vocab_size, configs.model.make_vocab_size_divisible_by,
-                                configs.parallel.tensor_model_parallel_size)
-        self.flops = flops if flops is not None else flops_per_iteration(
-            configs.model, shape.global_batch_size, configs.train.seq_length, padded)
-        self.losses: list[float] = []
-        self.skipped = 0
-        self.start = time.time()
-        self.writer = None
-        if configs.train.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as error:
-                raise ValueError("--tensorboard-dir needs the 'tensorboard' package "
-                                 "(pip install tensorboard)") from error
-            self.writer = SummaryWriter(configs.train.tensorboard_dir)
+def check_before_start(configs: Configs, world: int, shape: RunShape) -> None:
+    """Checks that need files but no process group: --save/--load directories, the load's
+    metadata and files (every rank sees the same files, so every rank reports the same
+    line), the optional log sinks and the fault-injection hook. Raises ValueError."""
+    ckpt, p = configs.checkpoint, configs.parallel
+    check_available(configs.train.tensorboard_dir, configs.train.wandb_project)
+    parse_faults(os.environ.get("MEGALITE_FAULT", ""))
+    start = 0
+    if ckpt.load and (meta := checkpointing.read_meta(ckpt.load)):
+        checkpointing.check_compatible(meta, configs.model, ckpt.load,
+                                       configs.precision.params_dtype)
+        layout = {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+                  "dp": shape.data_parallel_size, "vpp": p.virtual_pipeline_model_parallel_size}
+        checkpointing.verify_checkpoint(ckpt.load, meta, layout, world,
+                                        optimizer_settings(configs.optimizer))
+        start = meta["iteration"]
+    saved = checkpointing.latest_iteration(ckpt.save) if ckpt.save else None
+    same = ckpt.load and os.path.realpath(ckpt.load) == os.path.realpath(ckpt.save)
+    if saved is not None and saved > start and not same:
+        raise ValueError(f"--save {ckpt.save} already holds iteration {saved}, newer than this "
+                         f"run's start ({start}): pass --load {ckpt.save} to resume it, or "
+                         f"another --save directory")
 
-    def step(self, iteration: int, loss: float, stepped: bool, grad_norm: float | None,
-             lr: float, loss_scale: float) -> None:
-        self.losses.append(loss)
-        self.skipped += not stepped
-        if self.writer:
-            self.writer.add_scalar(self.loss_key, loss, iteration)
-            self.writer.add_scalar("learning rate", lr, iteration)
-        if iteration % self.configs.train.log_interval and iteration != self.configs.train.train_iters:
-            return
-        elapsed = (time.time() - self.start) / len(self.losses)
-        tokens = self.shape.global_batch_size * self.configs.train.seq_length / elapsed
-        tflops = self.flops / elapsed / dist.get_world_size() / 1e12
-        parts = [f"iteration {iteration:6d}/{self.configs.train.train_iters:6d}",
-                 f"{self.loss_key} {sum(self.losses) / len(self.losses):.4E}", f"lr {lr:.3E}",
-                 f"grad norm {grad_norm:.3f}" if grad_norm is not None else "grad norm n/a"]
-        if self.configs.precision.fp16:
-            parts.append(f"loss scale {loss_scale:.1f}")
-        parts += [f"ms/iter {1000 * elapsed:.0f}", f"tokens/s {tokens:,.0f}",
-                  f"TFLOP/s/device {tflops:.4f}",
-                  f"mem {peak_memory_mb(device.current_device()):,.0f} MB",
-                  f"skipped {self.skipped}"]
-        log(" | ".join(parts))
-        self.losses, self.skipped, self.start = [], 0, time.time()
+
+def _fail(error: Exception) -> None:
+    """End this rank with one line (every rank reaches the same line)."""
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def pretrain(configs: Configs, model_provider: Callable, forward_step_func: Callable,
-             datasets_provider: Callable, prepare: Callable | None = None) -> TrainResult:
+             datasets_provider: Callable, prepare: Callable | None = None,
+             check_inputs: Callable | None = None) -> TrainResult:
     """Train `configs.train.train_iters` steps; returns the chunks and the loss of every step.
 
+    check_inputs(configs): runs first, before any process group (e.g. resolve the vocabulary
+      size from --tokenizer); raise ValueError/OSError for one clear line on every rank.
     prepare(configs): runs after the process grid exists, before the model is built
       (e.g. build the default corpus once and set the vocabulary size).
     datasets_provider(configs, num_samples (train, valid, test), consumed_samples) ->
       (train_iterator, valid_iterator or None) yielding this DP rank's microbatches.
+
+    A step whose loss or grad norm is NaN/Inf on any rank is skipped on every rank; after
+    --max-skipped-steps consecutive skips NonFiniteError stops the run (nothing saved).
+    SIGTERM on any rank (--exit-signal-handler) ends every rank after the same step, with a
+    checkpoint when --save is given.
     """
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     try:
+        if check_inputs:
+            check_inputs(configs)
         shape = validate_configs(configs, world)
-        if configs.checkpoint.load:
-            meta = checkpointing.read_meta(configs.checkpoint.load)
-            if meta:
-                checkpointing.check_compatible(meta, configs.model, configs.checkpoint.load)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        check_before_start(configs, world, shape)
+    except (ValueError, OSError) as error:
+        _fail(error)
     setup_parallel(configs)
-    if prepare:
-        prepare(configs)
-    model = build_model(configs, model_provider)
-    optimizer, scheduler = get_optimizer(configs.optimizer, configs.precision, model,
-                                         configs.train.train_iters)
-    iteration, consumed = 0, 0
+    try:
+        if prepare:
+            prepare(configs)
+        model = build_model(configs, model_provider)
+        optimizer, scheduler = get_optimizer(configs.optimizer, configs.precision, model,
+                                             configs.train.train_iters)
+        iteration, consumed = 0, 0
+        if configs.checkpoint.load:
+            iteration, consumed = checkpointing.load_checkpoint(
+                configs.checkpoint.load, model, optimizer, scheduler, configs.model)
+    except (ValueError, OSError) as error:  # the same files on every rank: the same line
+        _fail(error)
     if configs.checkpoint.load:
-        iteration, consumed = checkpointing.load_checkpoint(
-            configs.checkpoint.load, model, optimizer, scheduler, configs.model)
         log(f"resumed from {configs.checkpoint.load} at iteration {iteration}")
+    if device.device_type() == "cpu" and configs.precision.params_dtype != torch.float32:
+        warning = device.reduced_precision_warning(configs.precision.params_dtype)
+        if warning:
+            log(warning)
     t = configs.train
     evals = t.train_iters // t.eval_interval + 1 if t.eval_interval else 0
     num_samples = (t.train_iters * shape.global_batch_size,
@@ -309,30 +305,51 @@ def pretrain(configs: Configs, model_provider: Callable, forward_step_func: Call
         f"{t.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
     log_pipeline(configs, shape)
     logger = TrainingLogger(configs, shape)
-    ckpt = configs.checkpoint
-    losses: dict[int, float] = {}
-    while iteration < t.train_iters:
-        loss, stepped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer,
-                                              configs, shape)
-        iteration += 1
-        losses[iteration] = loss
-        consumed += shape.global_batch_size
-        if stepped:  # a skipped (overflowing) fp16 step does not advance the schedule
-            scheduler.step()
-        logger.step(iteration, loss, stepped, grad_norm, scheduler.get_lr(), optimizer.loss_scale)
-        if valid_iter is not None and t.eval_interval and (
-                iteration % t.eval_interval == 0 or iteration == t.train_iters):
-            val = evaluate(forward_step_func, valid_iter, model, configs, shape)["lm loss"] / (
-                t.eval_iters * shape.num_microbatches * shape.data_parallel_size)
-            log(f"validation at iteration {iteration} | lm loss {val:.4E} | "
-                f"perplexity {math.exp(min(20.0, val)):.3f}")
-        exiting = bool(t.exit_interval) and iteration % t.exit_interval == 0
-        if ckpt.save and (iteration == t.train_iters or exiting or
-                          (ckpt.save_interval and iteration % ckpt.save_interval == 0)):
-            checkpointing.save_checkpoint(ckpt.save, iteration, model, optimizer, scheduler,
-                                          consumed, configs.model)
-            log(f"saved checkpoint to {ckpt.save} at iteration {iteration}")
-        if exiting:
-            log(f"exiting at iteration {iteration} (--exit-interval {t.exit_interval})")
-            break
+    try:
+        losses = _train_loop(configs, shape, model, optimizer, scheduler, forward_step_func,
+                             train_iter, valid_iter, logger, iteration, consumed)
+    finally:
+        logger.close()
     return TrainResult(model, losses)
+
+
+def _train_loop(configs: Configs, shape: RunShape, model: list, optimizer, scheduler,
+                forward_step_func: Callable, train_iter, valid_iter, logger: TrainingLogger,
+                iteration: int, consumed: int) -> dict[int, float]:
+    """Steps from `iteration` to --train-iters (or an exit); the loss of each step."""
+    t, ckpt = configs.train, configs.checkpoint
+    save_interval = ckpt.save_interval or default_save_interval(t.train_iters)
+    guard, losses, save_due = SkipGuard(t.max_skipped_steps), {}, False
+    with ExitSignalHandler(t.exit_signal_handler) as signals:
+        while iteration < t.train_iters:
+            loss, stepped, grad_norm = train_step(inject_faults(forward_step_func, iteration + 1),
+                                                  train_iter, model, optimizer, configs, shape)
+            iteration += 1
+            losses[iteration] = loss
+            consumed += shape.global_batch_size
+            if stepped:  # a skipped (overflowing / non-finite) step does not advance the schedule
+                scheduler.step()
+            logger.step(iteration, loss, stepped, grad_norm, scheduler.get_lr(),
+                        optimizer.loss_scale)
+            guard.update(iteration, stepped, optimizer.scaler)
+            if valid_iter is not None and t.eval_interval and (
+                    iteration % t.eval_interval == 0 or iteration == t.train_iters):
+                val = evaluate(forward_step_func, valid_iter, model, configs, shape)["lm loss"]
+                logger.validation(iteration, val / (t.eval_iters * shape.num_microbatches
+                                                    * shape.data_parallel_size))
+            signalled = signals.stop_requested(device.current_device())
+            exiting = signalled or bool(t.exit_interval) and iteration % t.exit_interval == 0
+            # an interval save waits for an applied step; the last one happens regardless
+            save_due = save_due or iteration % save_interval == 0
+            if ckpt.save and (iteration == t.train_iters or exiting or save_due and stepped):
+                checkpointing.save_checkpoint(ckpt.save, iteration, model, optimizer, scheduler,
+                                              consumed, configs.model)
+                log(f"saved checkpoint to {ckpt.save} at iteration {iteration}")
+                save_due = False
+            if signalled:
+                log(f"exiting at iteration {iteration}: received SIGTERM")
+                break
+            if exiting:
+                log(f"exiting at iteration {iteration} (--exit-interval {t.exit_interval})")
+                break
+    return losses

@@ -41,5 +41,5 @@ def train(argv: list[str]) -> dict[int, float]:
     configs = parse_configs(argv, defaults=pretrain_gpt.DEFAULTS)
     result = pretrain(configs, functools.partial(pretrain_gpt.model_provider, configs),
                       pretrain_gpt.forward_step, pretrain_gpt.datasets_provider,
-                      prepare=pretrain_gpt.prepare)
+                      prepare=pretrain_gpt.prepare, check_inputs=pretrain_gpt.check_inputs)
     return result.losses

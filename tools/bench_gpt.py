@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import pretrain_gpt  # noqa: E402
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
-from megalite.device import init_distributed  # noqa: E402
+from megalite.device import init_distributed, reduced_precision_warning  # noqa: E402
 from megalite.distributed import DistributedDataParallel  # noqa: E402
 from megalite.hf import load_gpt2, load_llama, to_gpt2_config, to_llama_config  # noqa: E402
 from megalite.models import GPTModel, TransformerSpec  # noqa: E402
@@ -296,6 +296,12 @@ def main() -> None:
         profile(args, config, device, tokens)
         return
 
+    slow_bf16 = device.type == "cpu" and "bf16" in args.precisions and \
+        reduced_precision_warning(torch.bfloat16)
+    if slow_bf16:
+        print(f"{slow_bf16}\nbf16 skipped: its peak measurement alone would take tens of "
+              f"minutes on this CPU", flush=True)
+        args.precisions = [p for p in args.precisions if p != "bf16"]
     peaks = {"fp32": torch.float32, "bf16": torch.bfloat16}
     peak_rates = {k: matmul_peak(device, dt, args.peak_size) for k, dt in peaks.items()
                   if k in args.precisions}

@@ -122,6 +122,23 @@ def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
     return [w / sum(weights) for w in weights], list(data_path[1::2])
 
 
+def check_data(data_path: list[str], split: str, vocab_size: int, needs_train: bool) -> None:
+    """Before training (no process group): every prefix opens, holds documents, has training
+    documents under `split` (when `needs_train`) and only token ids < `vocab_size`.
+    Raises ValueError / FileNotFoundError naming the file or flag."""
+    for prefix in parse_data_path(data_path)[1]:
+        indexed = IndexedDataset(prefix)
+        if indexed.num_documents == 0 or not indexed.sizes.sum():
+            raise ValueError(f"{prefix}.idx: the dataset is empty (no documents with tokens)")
+        begin, end = split_document_ranges(indexed.num_documents, split)[0]
+        if needs_train and begin == end:
+            raise ValueError(f"--split {split}: the train split of {prefix} has no documents "
+                             f"(of {indexed.num_documents})")
+        if np.iinfo(indexed.dtype).max >= vocab_size and (top := indexed.max_token()) >= vocab_size:
+            raise ValueError(f"{prefix}.bin: token id {top} >= vocabulary size {vocab_size} "
+                             f"(--vocab-size / --tokenizer does not match the data)")
+
+
 def build_gpt_datasets(data_path: list[str], split: str, seq_length: int,
                        num_samples: tuple[int, int, int], seed: int, cache_dir: str | None,
                        is_builder_rank: bool = True, barrier: Callable[[], None] = lambda: None):

@@ -149,3 +149,8 @@ class IndexedDataset:
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
+
+    def max_token(self, block: int = 1 << 24) -> int:
+        """The largest token id in the .bin (-1 if empty), read in blocks of `block` tokens."""
+        return max((int(self._tokens[i:i + block].max())
+                    for i in range(0, len(self._tokens), block)), default=-1)

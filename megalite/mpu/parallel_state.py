@@ -4,10 +4,12 @@ Ranks are laid out TP fastest, then DP, then PP (Megatron's "tp-dp-pp"):
 rank = tp_rank + TP * (dp_rank + DP * pp_rank). The embedding group holds the first
 and last stage of each pipeline group (the tied word embedding lives on both).
 """
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megalite.device import process_group_timeout
 from megalite.schedules.tables import Placement
 
 
@@ -80,11 +82,11 @@ class _State:
 _S = _State()
 
 
-def _new_groups(rank_lists: list[list[int]], my_rank: int):
+def _new_groups(rank_lists: list[list[int]], my_rank: int, timeout: datetime.timedelta | None):
     """Create every group (all ranks must call new_group for each); return mine or (None, [])."""
     mine = (None, [])
     for ranks in rank_lists:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if my_rank in ranks:
             mine = (group, ranks)
     return mine
@@ -93,11 +95,15 @@ def _new_groups(rank_lists: list[list[int]], my_rank: int):
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
-                              v_shape_placement: bool = False) -> None:
+                              v_shape_placement: bool = False,
+                              timeout_s: float | None = None) -> None:
     """Build the TP/PP/DP/model/embedding groups on the default process group.
 
     v_shape_placement: the two chunks of pipeline rank r hold stages r and 2p-1-r (the zbv
     schedule; needs virtual_pipeline_model_parallel_size 2) instead of r and p + r.
+    Every group waits at most `timeout_s` seconds in a collective or p2p operation (default:
+    the bound megalite.device.init_distributed gave the default group), so a hang in any of
+    them ends the job with an error.
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel: torch.distributed is not initialized "
@@ -107,11 +113,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                         virtual_pipeline_model_parallel_size)
     layout = GridLayout(tensor_model_parallel_size, pipeline_model_parallel_size, dp)
     _S.layout = layout
-    _S.tp_group, _S.tp_ranks = _new_groups(layout.tensor_groups(), rank)
-    _S.dp_group, _S.dp_ranks = _new_groups(layout.data_groups(), rank)
-    _S.pp_group, _S.pp_ranks = _new_groups(layout.pipeline_groups(), rank)
-    _S.model_group, _ = _new_groups(layout.model_groups(), rank)
-    _S.embedding_group, _S.embedding_ranks = _new_groups(layout.embedding_groups(), rank)
+    timeout = process_group_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    _S.tp_group, _S.tp_ranks = _new_groups(layout.tensor_groups(), rank, timeout)
+    _S.dp_group, _S.dp_ranks = _new_groups(layout.data_groups(), rank, timeout)
+    _S.pp_group, _S.pp_ranks = _new_groups(layout.pipeline_groups(), rank, timeout)
+    _S.model_group, _ = _new_groups(layout.model_groups(), rank, timeout)
+    _S.embedding_group, _S.embedding_ranks = _new_groups(layout.embedding_groups(), rank, timeout)
     if v_shape_placement and virtual_pipeline_model_parallel_size != 2:
         raise ValueError(f"V-shape placement needs 2 model chunks per pipeline rank, got "
                          f"--vpp {virtual_pipeline_model_parallel_size}")

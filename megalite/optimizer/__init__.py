@@ -8,7 +8,7 @@ One training step, in this order (megalite.training.train_step):
     forward_backward(..., loss_scale=optimizer.loss_scale)  # executor scales the loss
     finalize_model_grads(model)   # megalite.models.stage: DP mean in param.main_grad,
                                   # TP-partial grads summed, tied embedding grads summed
-    stepped, grad_norm = optimizer.step()                 # False: fp16 overflow, skipped
+    stepped, grad_norm = optimizer.step(loss_is_finite)   # False: overflow / NaN, skipped
     if stepped: scheduler.step()
 
 `optimizer.step()` unscales and checks for inf/NaN (fp16), clips by the global norm
@@ -22,7 +22,7 @@ from torch import nn
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.optimizer.distrib_optimizer import DistributedOptimizer
 from megalite.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megalite.optimizer.optimizer import MixedPrecisionOptimizer
+from megalite.optimizer.optimizer import MixedPrecisionOptimizer, optimizer_settings
 from megalite.optimizer.scheduler import OptimizerParamScheduler, check_decay_iters
 
 
@@ -45,6 +45,6 @@ def get_optimizer(opt_config: OptimizerConfig, precision: PrecisionConfig,
     return optimizer, OptimizerParamScheduler.from_config(optimizer, opt_config, train_iters)
 
 
-__all__ = ["get_optimizer", "MixedPrecisionOptimizer", "DistributedOptimizer",
+__all__ = ["get_optimizer", "optimizer_settings", "MixedPrecisionOptimizer", "DistributedOptimizer",
            "OptimizerParamScheduler", "check_decay_iters", "DynamicGradScaler",
            "ConstantGradScaler"]

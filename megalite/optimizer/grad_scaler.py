@@ -8,6 +8,11 @@ class ConstantGradScaler:
     def __init__(self, scale: float) -> None:
         self.scale = scale
 
+    @property
+    def at_minimum(self) -> bool:
+        """A fixed scale never drops: an overflow here cannot resolve itself."""
+        return True
+
     def update(self, found_inf: bool) -> None:
         pass
 
@@ -34,6 +39,11 @@ class DynamicGradScaler:
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
         self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
+
+    @property
+    def at_minimum(self) -> bool:
+        """True once backing off can no longer lower the scale."""
+        return self.scale <= self.min_scale
 
     def update(self, found_inf: bool) -> None:
         if found_inf:

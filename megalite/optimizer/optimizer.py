@@ -3,8 +3,11 @@
 bf16/fp16 model params get an fp32 main copy; the torch optimizer steps the copies and
 the result is copied back (rounded) into the model params. fp32 params are their own
 main params (no copy). fp16 adds loss scaling: grads are unscaled and checked for
-inf/NaN, and an overflow anywhere skips the step everywhere.
+inf/NaN, and an overflow anywhere skips the step everywhere. In every precision a
+non-finite loss or global grad norm skips the step (never applied to the weights).
 """
+import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -52,15 +55,67 @@ def build_torch_optimizer(config: OptimizerConfig,
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
     kw = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
     if fragments and fragments[0].main.is_cuda:
-        try:
-            from apex.optimizers import FusedAdam
-            return FusedAdam(groups, adam_w_mode=True, **kw)
-        except ImportError:
-            pass
+        apex_adam = apex_fused_adam(groups, kw)
+        if apex_adam is not None:
+            return apex_adam
     try:
         return torch.optim.AdamW(groups, fused=True, **kw)
     except RuntimeError:  # the device has no fused kernel
         return torch.optim.AdamW(groups, foreach=True, **kw)
+
+
+def apex_fused_adam(groups: list[dict], kw: dict) -> torch.optim.Optimizer | None:
+    """apex's FusedAdam in AdamW mode, or None: apex not installed, or installed without its
+    CUDA extensions (a RuntimeError at construction; warned about, torch's AdamW is used)."""
+    try:
+        from apex.optimizers import FusedAdam
+    except ImportError:
+        return None
+    try:
+        return FusedAdam(groups, adam_w_mode=True, **kw)
+    except RuntimeError as error:
+        warnings.warn(f"apex is installed but FusedAdam cannot be built ({error}); falling back "
+                      f"to torch's fused AdamW", stacklevel=2)
+        return None
+
+
+# Keys of a param group that describe the implementation, not the optimization: left out
+# of saved states so that apex FusedAdam and torch AdamW states load into each other.
+IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable",
+                                 "adam_w_mode", "set_grad_none", "bias_correction", "step"})
+
+
+def portable_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state with Adam's step per parameter (apex keeps it per group) and no
+    implementation keys, loadable by `load_portable_state_dict` into either optimizer."""
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:
+        if "step" in group:
+            for index in group["params"]:
+                state["state"].setdefault(index, {}).setdefault(
+                    "step", torch.tensor(float(group["step"])))
+        for key in IMPLEMENTATION_KEYS & group.keys():
+            del group[key]
+    return state
+
+
+def load_portable_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a `portable_state_dict`, keeping this optimizer's implementation keys. Each group
+    also gets `step` (the largest of its parameters' steps) for optimizers that count steps
+    per group (apex FusedAdam); torch's optimizers ignore it."""
+    own = optimizer.state_dict()["param_groups"]
+    groups = [{**{k: v for k, v in mine.items() if k in IMPLEMENTATION_KEYS}, **saved}
+              for mine, saved in zip(own, state["param_groups"])]
+    optimizer.load_state_dict({"state": state["state"], "param_groups": groups})
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        steps = [state["state"].get(i, {}).get("step") for i in saved["params"]]
+        group["step"] = int(max((float(s) for s in steps if s is not None), default=0))
+
+
+def optimizer_settings(config: OptimizerConfig) -> dict:
+    """What the saved optimizer state means: stored with checkpoints, compared on load."""
+    return {"optimizer": config.optimizer,
+            "use_distributed_optimizer": config.use_distributed_optimizer}
 
 
 class MixedPrecisionOptimizer:
@@ -69,7 +124,7 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, model_chunks: list[nn.Module], config: OptimizerConfig,
                  precision: PrecisionConfig) -> None:
-        self.model_chunks, self.clip_grad = model_chunks, config.clip_grad
+        self.model_chunks, self.clip_grad, self.config = model_chunks, config.clip_grad, config
         self.scaler = build_grad_scaler(precision)
         self.fragments = self._build_fragments()
         self.optimizer = build_torch_optimizer(config, self.fragments)
@@ -81,6 +136,9 @@ class MixedPrecisionOptimizer:
     def _stats_groups(self) -> list:
         """Where grad statistics are reduced: every rank of this model replica."""
         return [parallel_state.get_model_parallel_group()]
+
+    def settings(self) -> dict:
+        return optimizer_settings(self.config)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -109,23 +167,30 @@ class MixedPrecisionOptimizer:
         return found_inf_anywhere(found_inf, self._stats_groups())
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None]:
-        """Unscale and check (fp16), clip, step, copy back. Returns (stepped, grad norm)."""
+    def step(self, loss_is_finite: bool = True) -> tuple[bool, float | None]:
+        """Unscale and check (fp16), clip, step, copy back. Returns (stepped, grad norm).
+
+        The step is skipped (False) on an fp16 overflow, when `loss_is_finite` is False (the
+        caller passes the same value on every rank) or when the global grad norm, reduced
+        over every rank holding a piece of the model, is not finite: every rank agrees.
+        """
         for f in self.fragments:
             f.main.grad = f.grad
         if self.scaler is not None:
-            found_inf = self._unscale_and_check()
+            found_inf = self._unscale_and_check() or not loss_is_finite
             self.scaler.update(found_inf)
             if found_inf:
                 return False, None
-        grad_norm = None
-        if self.clip_grad > 0:
-            grad_norm = global_grad_norm(
-                [f.grad for f in self.fragments if counts_toward_norm(f.model_param)],
-                self._stats_groups(), self._device())
-            if not self.clip_grad / (grad_norm + 1e-6) >= 1.0:  # scale only when clipping (or NaN)
-                torch.nn.utils.clip_grads_with_norm_([f.main for f in self.fragments],
-                                                     self.clip_grad, torch.tensor(grad_norm))
+        if not loss_is_finite:
+            return False, None
+        grad_norm = global_grad_norm(
+            [f.grad for f in self.fragments if counts_toward_norm(f.model_param)],
+            self._stats_groups(), self._device())
+        if not math.isfinite(grad_norm):
+            return False, grad_norm
+        if self.clip_grad > 0 and self.clip_grad / (grad_norm + 1e-6) < 1.0:  # scale only when clipping
+            torch.nn.utils.clip_grads_with_norm_([f.main for f in self.fragments],
+                                                 self.clip_grad, torch.tensor(grad_norm))
         self.optimizer.step()
         self._copy_main_to_model()
         return True, grad_norm
@@ -144,7 +209,7 @@ class MixedPrecisionOptimizer:
 
     def state_dict(self) -> dict:
         """This rank's optimizer state, fp32 main params (separate copies only) and scaler."""
-        return {"optimizer": self.optimizer.state_dict(),
+        return {"optimizer": portable_state_dict(self.optimizer),
                 "main_params": [f.main for f in self.fragments if f.target is not None],
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
@@ -155,7 +220,7 @@ class MixedPrecisionOptimizer:
         if shapes != [tuple(t.shape) for t in mains]:
             raise ValueError(f"optimizer state holds {len(shapes)} main params that do not "
                              f"match this optimizer's {len(mains)} (different model or layout)")
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_portable_state_dict(self.optimizer, state["optimizer"])
         for main, saved in zip(mains, state["main_params"]):
             main.copy_(saved)
         if self.scaler is not None and state["scaler"] is not None:

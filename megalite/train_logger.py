@@ -1,0 +1,86 @@
+"""Megatron-style log lines, and the same fields as TensorBoard / W&B scalars."""
+import math
+import time
+
+import torch.distributed as dist
+
+from megalite import device
+from megalite.config import Configs
+from megalite.log_writers import ScalarWriters
+from megalite.metrics import flops_per_iteration, peak_memory_mb
+from megalite.mpu.layers import pad_vocab_size
+
+
+def log(message: str) -> None:
+    """Print once per job (global rank 0)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+class TrainingLogger:
+    """Every --log-interval steps one line (and, with --tensorboard-dir / --wandb-project, one
+    scalar each, written by the last rank) of: loss, lr, grad norm, loss scale, skipped
+    steps, ms/iter, tokens/s, TFLOP/s per device, peak memory. `validation` adds loss and
+    perplexity. `loss_key` names the logged loss; `flops` is the model FLOPs of one
+    iteration (default: a language model's, whose output layer spans the padded vocabulary).
+    """
+
+    def __init__(self, configs: Configs, shape, loss_key: str = "lm loss",
+                 flops: float | None = None) -> None:
+        self.configs, self.shape, self.loss_key = configs, shape, loss_key
+        padded = pad_vocab_size(configs.model.vocab_size, configs.model.make_vocab_size_divisible_by,
+                                configs.parallel.tensor_model_parallel_size)
+        self.flops = flops if flops is not None else flops_per_iteration(
+            configs.model, shape.global_batch_size, configs.train.seq_length, padded)
+        self.losses: list[float] = []
+        self.grad_norm: float | None = None  # of the last step (None: not computed)
+        self.skipped = self.steps = 0
+        self.start = time.time()
+        t = configs.train
+        writes = dist.get_rank() == dist.get_world_size() - 1
+        self.writers = ScalarWriters(t.tensorboard_dir, t.wandb_project,
+                                     {"world_size": dist.get_world_size()}) if writes \
+            else ScalarWriters()
+
+    def step(self, iteration: int, loss: float, stepped: bool, grad_norm: float | None,
+             lr: float, loss_scale: float) -> None:
+        if math.isfinite(loss):
+            self.losses.append(loss)
+        self.grad_norm = grad_norm
+        self.skipped += not stepped
+        self.steps += 1
+        t = self.configs.train
+        if iteration % t.log_interval and iteration != t.train_iters:
+            return
+        elapsed = (time.time() - self.start) / self.steps
+        fields = {
+            self.loss_key: sum(self.losses) / len(self.losses) if self.losses else math.nan,
+            "learning rate": lr,
+            "grad norm": math.nan if self.grad_norm is None else self.grad_norm,
+            "loss scale": loss_scale, "skipped steps": self.skipped,
+            "ms per iteration": 1000 * elapsed,
+            "tokens per second": self.shape.global_batch_size * t.seq_length / elapsed,
+            "TFLOP/s per device": self.flops / elapsed / dist.get_world_size() / 1e12,
+            "peak memory MB": peak_memory_mb(device.current_device())}
+        self.writers.write(fields, iteration)
+        parts = [f"iteration {iteration:6d}/{t.train_iters:6d}",
+                 f"{self.loss_key} {fields[self.loss_key]:.4E}", f"lr {lr:.3E}",
+                 f"grad norm {fields['grad norm']:.3f}" if self.grad_norm is not None else "grad norm n/a"]
+        if self.configs.precision.fp16:
+            parts.append(f"loss scale {loss_scale:.1f}")
+        parts += [f"ms/iter {fields['ms per iteration']:.0f}",
+                  f"tokens/s {fields['tokens per second']:,.0f}",
+                  f"TFLOP/s/device {fields['TFLOP/s per device']:.4f}",
+                  f"mem {fields['peak memory MB']:,.0f} MB", f"skipped {self.skipped}"]
+        log(" | ".join(parts))
+        self.losses, self.skipped, self.steps, self.start = [], 0, 0, time.time()
+
+    def validation(self, iteration: int, loss: float) -> None:
+        perplexity = math.exp(min(20.0, loss))
+        self.writers.write({f"validation {self.loss_key}": loss,
+                            "validation perplexity": perplexity}, iteration)
+        log(f"validation at iteration {iteration} | {self.loss_key} {loss:.4E} | "
+            f"perplexity {perplexity:.3f}")
+
+    def close(self) -> None:
+        self.writers.close()

@@ -1,0 +1,156 @@
+"""Checkpoint files: no pickle, safetensors weights other tools read, verification of what a
+load needs (truncated or missing shards: one line on every rank), full metadata checks,
+re-saves that never lose the old copy, and the --save directory guard."""
+import contextlib
+import io
+import json
+import os
+import pathlib
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from megalite import checkpoint_io, checkpointing
+from megalite.config import parse_configs
+from megalite.training import check_before_start, validate_configs
+from tests.gpt_run import VOCAB, make_dataset, tiny_args, train
+from tests.multirank import run_on_ranks
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[str, str]:
+    """(data prefix, checkpoint of 2 steps at TP 2 on 2 ranks)."""
+    directory = tmp_path_factory.mktemp("ck")
+    prefix = make_dataset(str(directory))
+    run_on_ranks(2, train, tiny_args(prefix, str(directory / "ck"), 2, "--tp", "2"))
+    return prefix, str(directory / "ck")
+
+
+def test_no_pickle_anywhere_in_the_code():
+    sources = [p for d in ("megalite", "tools") for p in (ROOT / d).rglob("*.py")]
+    sources += [ROOT / "pretrain_gpt.py", ROOT / "finetune_bert.py"]
+    offenders = [str(p) for p in sources
+                 if "weights_only=False" in p.read_text() or "torch.save(" in p.read_text()]
+    assert not offenders
+
+
+def test_files_are_json_and_safetensors_readable_by_other_tools(saved):
+    _, ck = saved
+    directory = checkpointing.iteration_dir(ck, 2)
+    assert sorted(os.listdir(directory)) == ["meta.json", "model_pp000.safetensors",
+                                              "rank_00000.json", "rank_00000.safetensors",
+                                              "rank_00001.json", "rank_00001.safetensors"]
+    meta = json.load(open(os.path.join(directory, "meta.json")))
+    assert meta["model_config"]["vocab_size"] == VOCAB and meta["params_dtype"] == "float32"
+    assert meta["optimizer"] == {"optimizer": "adam", "use_distributed_optimizer": False}
+    assert meta["layout"] == {"tp": 2, "pp": 1, "dp": 1, "vpp": None}
+    with safe_open(os.path.join(directory, "model_pp000.safetensors"), "pt") as f:
+        # full tensors: the unpadded vocabulary, TP-gathered MLP (4h x h at hidden 32)
+        assert f.get_tensor("embedding.word_embeddings.weight").shape == (VOCAB, 32)
+        assert f.get_tensor("encoder.layers.0.mlp.dense_h_to_4h.weight").shape == (128, 32)
+
+
+def test_state_tree_round_trip(tmp_path):
+    import random
+
+    import numpy as np
+    tree = {"python": random.getstate(), "numpy": np.random.get_state(),
+            "opt": {0: {"step": torch.tensor(3.0), "m": torch.ones(2, 3)}}, "none": None}
+    checkpoint_io.save_state(str(tmp_path / "s"), tree)
+    back = checkpoint_io.load_state(str(tmp_path / "s"))
+    assert back["python"] == tree["python"] and back["none"] is None
+    assert back["numpy"][0] == "MT19937" and (back["numpy"][1] == tree["numpy"][1]).all()
+    assert back["numpy"][1].dtype == tree["numpy"][1].dtype
+    assert torch.equal(back["opt"][0]["m"], tree["opt"][0]["m"])
+
+
+def _load_and_report(prefix: str, ck: str, out: str) -> str:
+    """Resume `ck` at TP 2; the error line this rank prints (exit code appended)."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            train(tiny_args(prefix, out, 3, "--tp", "2", "--load", ck))
+        except SystemExit as stop:
+            return stderr.getvalue().strip() + f" [exit {stop.code}]"
+    return "no error"
+
+
+@pytest.mark.parametrize("damage,expected", [
+    ("truncate_model", "model_pp000.safetensors: truncated"),
+    ("delete_rank1", "rank_00001.safetensors: missing"),
+])
+def test_damaged_shard_is_one_line_naming_the_file_on_every_rank(saved, tmp_path, damage,
+                                                                 expected):
+    prefix, original = saved
+    ck = str(tmp_path / "ck")
+    shutil.copytree(original, ck)
+    directory = checkpointing.iteration_dir(ck, 2)
+    if damage == "truncate_model":
+        path = os.path.join(directory, "model_pp000.safetensors")
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:
+        os.remove(os.path.join(directory, "rank_00001.safetensors"))
+    lines = run_on_ranks(2, _load_and_report, prefix, ck, str(tmp_path / "out"))
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith("error: ") and expected in lines[0] and "\n" not in lines[0]
+    assert lines[0].endswith("[exit 2]")
+
+
+def test_resave_of_an_iteration_keeps_the_old_copy_until_the_new_one_is_in_place(tmp_path,
+                                                                              monkeypatch):
+    root = str(tmp_path)
+    for text in ("old", "new"):
+        tmp = checkpointing.iteration_dir(root, 5) + ".tmp"
+        os.makedirs(tmp)
+        open(os.path.join(tmp, "payload"), "w").write(text)
+        if text == "new":  # crash between moving the old copy aside and moving the new in
+            real_rename = os.rename
+            monkeypatch.setattr(os, "rename", lambda a, b: real_rename(a, b) if a.endswith(
+                "0000005") else (_ for _ in ()).throw(OSError("crash (simulated)")))
+            with pytest.raises(OSError):
+                checkpointing._publish(root, 5, tmp)
+            monkeypatch.undo()
+        else:
+            checkpointing._publish(root, 5, tmp)
+    assert checkpointing.latest_iteration(root) == 5
+    published = checkpointing._published_dir(root, 5)
+    assert open(os.path.join(published, "payload")).read() == "old"
+
+
+def test_save_into_a_directory_with_a_newer_iteration_is_refused(saved, tmp_path):
+    prefix, ck = saved
+    configs = parse_configs(tiny_args(prefix, ck, 4))
+    with pytest.raises(ValueError, match=f"--save {ck} already holds iteration 2, newer than "
+                                         f"this run's start \\(0\\)") as error:
+        check_before_start(configs, 1, validate_configs(configs, 1))
+    assert "\n" not in str(error.value)
+    resume = parse_configs(tiny_args(prefix, ck, 4, "--load", ck, "--tp", "2"))
+    check_before_start(resume, 2, validate_configs(resume, 2))  # resuming it is fine
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--activation", "gelu"], "checkpoint has activation=gelu_tanh, this run has --activation gelu"),
+    (["--layernorm-epsilon", "1e-6"], "layernorm_epsilon=1e-05"),
+    (["--no-causal"], "causal=True"),
+    (["--post-layernorm"], "post_layernorm=False"),
+    (["--bf16"], "trained with float32 parameters, this run uses bfloat16"),
+])
+def test_every_model_field_and_the_precision_are_checked_on_load(saved, argv, expected):
+    prefix, ck = saved
+    configs = parse_configs(tiny_args(prefix, "unused", 4, "--load", ck, "--tp", "2", *argv))
+    with pytest.raises(ValueError, match="--load") as error:
+        check_before_start(configs, 2, validate_configs(configs, 2))
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_other_optimizer_settings_load_weights_only(saved, tmp_path):
+    """--use-distributed-optimizer differs: the weights load, the optimizer starts fresh (the
+    documented conversion), at another layout too (TP 2 -> DP 2)."""
+    prefix, ck = saved
+    out = run_on_ranks(2, train, tiny_args(prefix, str(tmp_path / "z"), 3, "--load", ck,
+                                           "--use-distributed-optimizer"))[0]
+    assert sorted(out) == [3]
