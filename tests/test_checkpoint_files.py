@@ -134,7 +134,7 @@ def test_save_into_a_directory_with_a_newer_iteration_is_refused(saved, tmp_path
 
 @pytest.mark.parametrize("argv,expected", [
     (["--activation", "gelu"], "checkpoint has activation=gelu_tanh, this run has --activation gelu"),
-    (["--layernorm-epsilon", "1e-6"], "layernorm_epsilon=1e-05"),
+    (["--layernorm-epsilon", "1e-6"], "norm_epsilon=1e-05"),
     (["--no-causal"], "causal=True"),
     (["--post-layernorm"], "post_layernorm=False"),
     (["--bf16"], "trained with float32 parameters, this run uses bfloat16"),

@@ -8,7 +8,7 @@ from megalite.schedules.accounting import simulate
 from megalite.schedules.executor import free_output, rank_table
 from megalite.schedules.tables import Kind
 from tests.reference import rel_err
-from tests.test_pipeline_parity import MICRO, SEQ, batch, forward_step, provider
+from tests.test_pipeline_parity import CONFIG, MICRO, SEQ, batch, forward_step, provider
 
 CASES = [(name, p, v, m) for p in (2, 3, 4, 8) for m in (p, 2 * p, 3 * p)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4))]
@@ -36,7 +36,7 @@ def test_free_output_releases_storage_and_backward_still_works():
 
 def _single_stage_grads(m: int, loss_scale: float):
     """PP = 1, no process group: accumulation over m microbatches with `loss_scale`."""
-    chunk = provider(pre_process=True, post_process=True)
+    chunk = provider(CONFIG, pre_process=True, post_process=True)
     losses = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batch(m).split(MICRO)), model=chunk,
         num_microbatches=m, seq_length=SEQ, micro_batch_size=MICRO, loss_scale=loss_scale)
@@ -47,7 +47,7 @@ def test_single_stage_accumulates_mean_grads_with_loss_scale():
     m = 4
     losses, log, grads = _single_stage_grads(m, 1.0)
     _, _, scaled = _single_stage_grads(m, 8.0)
-    whole = provider(pre_process=True, post_process=True)
+    whole = provider(CONFIG, pre_process=True, post_process=True)
     tokens = batch(m)
     whole(tokens[:, :-1], tokens[:, 1:]).mean().backward()
     for name, param in whole.named_parameters():
