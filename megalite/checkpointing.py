@@ -79,7 +79,7 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    if ps.get_data_parallel_rank() == 0:
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
         weights = {}
         for chunk in model:
             weights.update(full_state_dict(chunk))

@@ -108,7 +108,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the world is split: TP x PP x DP ranks (Megatron's tp-dp-pp order)."""
+    """How the world is split: TP x CP x DP x PP ranks (Megatron's tp-cp-dp-pp order)."""
 
     tensor_model_parallel_size: int = arg(1, "tensor-parallel size", aliases=("--tp",))
     pipeline_model_parallel_size: int = arg(1, "pipeline-parallel size", aliases=("--pp",))
@@ -120,6 +120,11 @@ class ParallelConfig:
     pipeline_schedule: str = arg("1f1b", "pipeline schedule when PP > 1 without VPP",
                                  choices=("1f1b", "gpipe"))
     distributed_timeout_minutes: float = arg(10.0, "bound on any collective wait")
+    sequence_parallel: bool = arg(False, "split norms, dropout and residual activations along "
+                                  "the sequence over TP (needs TP > 1)")
+    context_parallel_size: int = arg(1, "context-parallel size: each rank holds 2 load-balanced "
+                                     "chunks of every sequence, ring attention",
+                                     aliases=("--cp",))
 
 
 @dataclass

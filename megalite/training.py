@@ -23,6 +23,7 @@ from megalite.metrics import flops_per_iteration, peak_memory_mb
 from megalite.models.stage import (build_model_chunks, finalize_model_grads,
                                    sync_shared_embedding)
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
+from megalite.mpu.context_parallel import check_sequence_split
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import pad_vocab_size
 from megalite.optimizer import get_optimizer
@@ -51,11 +52,14 @@ def validate_configs(configs: Configs, world_size: int) -> RunShape:
     """Check every cross-flag constraint; raise ValueError with one line naming the flag."""
     p, m, t = configs.parallel, configs.model, configs.train
     dp = ps.validate_sizes(world_size, p.tensor_model_parallel_size,
-                           p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size)
+                           p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
+                           p.context_parallel_size)
     if p.data_parallel_size is not None and p.data_parallel_size != dp:
         raise ValueError(f"--dp {p.data_parallel_size} does not match world size {world_size} / "
-                         f"(TP {p.tensor_model_parallel_size} x PP "
+                         f"(TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x PP "
                          f"{p.pipeline_model_parallel_size}) = {dp}")
+    check_sequence_split(t.seq_length, p.tensor_model_parallel_size, p.sequence_parallel,
+                         p.context_parallel_size)
     chunks = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
     if m.num_layers % chunks:
         raise ValueError(f"--num-layers ({m.num_layers}) must be divisible by --pp x --vpp "
@@ -95,7 +99,7 @@ def setup_parallel(configs: Configs) -> None:
     p = configs.parallel
     device.init_distributed(timeout_s=p.distributed_timeout_minutes * 60)
     initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                              p.virtual_pipeline_model_parallel_size)
+                              p.virtual_pipeline_model_parallel_size, p.context_parallel_size)
     model_parallel_seed(configs.train.seed, ps.get_tensor_model_parallel_rank(),
                         ps.get_pipeline_model_parallel_rank())
 
@@ -142,19 +146,22 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
 
 
 def _mean_over_data_parallel(losses: list[dict], key: str) -> float:
-    """Mean `key` value over this step's microbatches and the DP group (visible on every rank)."""
+    """Mean `key` value over this step's microbatches and the DP x CP group (visible on every
+    rank; CP ranks hold equal numbers of tokens, so this is the mean over all tokens)."""
     value = torch.stack([d[key].float().reshape(()) for d in losses]).mean().reshape(1)
     value = value.to(device.current_device())
-    comm.all_reduce(value, ps.get_data_parallel_group())
-    return value.item() / ps.get_data_parallel_world_size()
+    comm.all_reduce(value, ps.get_data_parallel_group(with_context_parallel=True))
+    return value.item() / ps.get_data_parallel_world_size(with_context_parallel=True)
 
 
 def _sum_over_data_parallel(losses: list[dict]) -> dict[str, float]:
-    """Every loss-dict value summed over this step's microbatches and the DP group."""
+    """Every loss-dict value summed over this step's microbatches and the DP group (and
+    averaged over CP ranks, whose values are means over their own tokens)."""
     keys = list(losses[0])
     sums = torch.stack([torch.stack([d[k].float().reshape(()) for k in keys])
                         for d in losses]).sum(0).to(device.current_device())
-    comm.all_reduce(sums, ps.get_data_parallel_group())
+    comm.all_reduce(sums, ps.get_data_parallel_group(with_context_parallel=True))
+    sums /= ps.get_context_parallel_world_size()
     return dict(zip(keys, sums.tolist()))
 
 
