@@ -5,15 +5,19 @@ GPT-2: weights from a random transformers GPT2LMHeadModel; the mean loss over al
 of the global batch and every parameter's gradient (full over TP) against the
 transformers model's within 1e-5 relative. Llama-shaped (RMSNorm, RoPE, SwiGLU, GQA, no
 biases, untied output): against the single-process megalite model with the same flags and
-seed (megalite's init does not depend on the layout). Bad sequence splits fail with one
-line before any collective.
+seed (megalite's init does not depend on the layout). pretrain_gpt.py trains the same
+losses at TP2 x CP2 with --sequence-parallel as at TP2 x DP2. Bad sequence splits fail with
+one line before any collective.
 """
 import pytest
 import torch
 
+from megalite.config import parse_configs
 from megalite.hf import gpt2_config, gpt2_to_megalite, load_gpt2
 from megalite.mpu import comm
 from megalite.mpu.context_parallel import check_sequence_split
+from megalite.training import validate_configs
+from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 from tests.parallel_step import LLAMA, MICRO, SEQ, global_batch, parallel_step, reference_step
 from tests.reference import hf_token_loss, rel_err, tiny_gpt2
@@ -92,3 +96,30 @@ def test_bad_sequence_splits_fail_with_one_line():
     for flags, want in expected.items():
         message, moved = errors[flags]
         assert want in message and "\n" not in message and not moved, (flags, message)
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--sequence-parallel"], 2, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--tp", "4", "--sequence-parallel", "--seq-length", "18"], 4,
+     "--seq-length (18) / --context-parallel-size (1) must be divisible by "
+     "--tensor-model-parallel-size (4)"),
+    (["--cp", "2", "--seq-length", "18"], 2, "--seq-length (18) must be divisible by 2 x "
+                                            "--context-parallel-size (4)"),
+    (["--cp", "3"], 4, "world size 4 is not divisible by tensor (1) x context (3)"),
+])
+def test_bad_flags_fail_in_validation(argv, world, message):
+    configs = parse_configs(["--max-position-embeddings", "32", "--seq-length", "16", *argv])
+    with pytest.raises(ValueError) as error:
+        validate_configs(configs, world)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_pretrain_gpt_context_and_sequence_parallel_trains_like_data_parallel(tmp_path):
+    prefix = make_dataset(str(tmp_path))
+    common = ["--hidden-dropout", "0", "--attention-dropout", "0", "--tp", "2"]
+    runs = {}
+    for name, extra in {"tp2 dp2": [], "tp2 cp2 sp": ["--cp", "2", "--sequence-parallel"]}.items():
+        argv = tiny_args(prefix, str(tmp_path / name), 3, *common, *extra)
+        runs[name] = run_on_ranks(4, train, argv)[0]
+    want, got = runs["tp2 dp2"], runs["tp2 cp2 sp"]
+    assert max(abs(got[i] - want[i]) / want[i] for i in want) < 1e-5, runs
