@@ -2,7 +2,6 @@
 the real path: build_model_chunks, DistributedDataParallel, the pipeline schedule,
 pretrain_gpt.forward_step (CP slicing) and loss_func, finalize_model_grads.
 
-Also the references: the same step on one process (the whole global batch as one batch).
 """
 import dataclasses
 
@@ -73,18 +72,3 @@ def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
                                                  ps.get_tensor_model_parallel_group())
                 partial_agree &= bool((copies == copies[0]).all())
     return {"loss": loss.item(), "grads": grads, "tp partial grads agree": partial_agree}
-
-
-def reference_step(config: ModelConfig, dp: int, load=None) -> dict:
-    """The single-process model on the whole global batch of a layout with `dp` DP ranks:
-    mean loss over all tokens and every parameter's grad."""
-    initialize_model_parallel(1, 1)
-    model = GPTModel(config, layer_range=(0, config.num_layers), init_seed=SEED)
-    if load is not None:
-        load(model)
-    tokens = global_batch(dp, config.vocab_size)
-    loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
-    loss.backward()
-    grads = {n: gather_tensor_parallel(p.grad, p) for n, p in model.named_parameters()}
-    ps.destroy_model_parallel()
-    return {"loss": loss.item(), "grads": grads}

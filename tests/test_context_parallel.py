@@ -1,11 +1,10 @@
 """Context parallelism end to end on 8 ranks: TP2 x CP2 x PP2, CP4 x DP2, and CP2 with
 sequence parallelism at TP2 (x DP2), fp32, dropout off.
 
-GPT-2: weights from a random transformers GPT2LMHeadModel; the mean loss over all tokens
-of the global batch and every parameter's gradient (full over TP) against the
-transformers model's within 1e-5 relative. Llama-shaped (RMSNorm, RoPE, SwiGLU, GQA, no
-biases, untied output): against the single-process megalite model with the same flags and
-seed (megalite's init does not depend on the layout). pretrain_gpt.py trains the same
+GPT-2 and Llama (RMSNorm, RoPE, SwiGLU, GQA with 2 KV groups, untied output): weights from
+random transformers GPT2LMHeadModel / LlamaForCausalLM models; the mean loss over all
+tokens of the global batch and every parameter's gradient (full over TP) against the
+transformers model's within 1e-5 relative. pretrain_gpt.py trains the same
 losses at TP2 x CP2 with --sequence-parallel as at TP2 x DP2. Bad sequence splits fail with
 one line before any collective.
 """
@@ -13,13 +12,15 @@ import pytest
 import torch
 
 from megalite.config import parse_configs
-from megalite.hf import gpt2_config, gpt2_to_megalite, load_gpt2
+from megalite.hf import (gpt2_config, gpt2_to_megalite, llama_config, llama_to_megalite,
+                         load_gpt2, load_llama)
 from megalite.mpu import comm
 from megalite.mpu.context_parallel import check_sequence_split
 from megalite.training import validate_configs
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
-from tests.parallel_step import LLAMA, MICRO, SEQ, global_batch, parallel_step, reference_step
+from tests.parallel_step import VOCAB, SEQ, global_batch, parallel_step
+from tests.test_llama_hf_parity import tiny_llama
 from tests.reference import hf_token_loss, rel_err, tiny_gpt2
 
 TOL = 1e-5
@@ -27,12 +28,12 @@ LAYOUTS = {"tp2 cp2 pp2": (2, 2, 2, False), "cp4 dp2": (1, 1, 4, False),
            "tp2 cp2 dp2 sp": (2, 1, 2, True)}  # (tp, pp, cp, sp) on 8 ranks
 
 
-def _hf_reference(hf, dp: int) -> dict:
+def _hf_reference(hf, dp: int, to_megalite) -> dict:
+    """The transformers model's mean loss over the global batch and its grads, renamed."""
     tokens = global_batch(dp, hf.config.vocab_size)
     loss = hf_token_loss(hf, tokens)
     loss.backward()
-    grads = gpt2_to_megalite({n: p.grad for n, p in hf.named_parameters()},
-                             gpt2_config(hf.config))
+    grads = to_megalite({n: p.grad for n, p in hf.named_parameters()})
     hf.zero_grad()
     return {"loss": loss.item(), "grads": grads}
 
@@ -44,17 +45,24 @@ def _errors(got: dict, want: dict) -> dict:
                         if n in want["grads"]), "missing": sorted(missing)}
 
 
+def _models() -> dict:
+    """name -> (transformers model, its megalite config, loader, grad renaming)."""
+    gpt2 = tiny_gpt2(vocab=VOCAB, positions=SEQ, layers=4, hidden=32)
+    llama = tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=4, num_key_value_heads=2)
+    gpt2_cfg, llama_cfg = gpt2_config(gpt2.config), llama_config(llama.config)
+    return {"gpt2": (gpt2, gpt2_cfg, load_gpt2, lambda g: gpt2_to_megalite(g, gpt2_cfg)),
+            "llama": (llama, llama_cfg, load_llama, lambda g: llama_to_megalite(g, llama_cfg))}
+
+
 def _all() -> dict:
-    hf = tiny_gpt2(vocab=97, positions=SEQ, layers=4, hidden=32)
-    config = gpt2_config(hf.config)
     out = {}
-    for name, (tp, pp, cp, sp) in LAYOUTS.items():
-        dp = 8 // (tp * pp * cp)
-        got = parallel_step(config, tp, pp, cp, sp,
-                            load=lambda chunks: load_gpt2(chunks, hf.state_dict(), config))
-        out["gpt2 vs transformers, " + name] = _errors(got, _hf_reference(hf, dp))
-        want = reference_step(LLAMA, dp)
-        out["llama vs megalite, " + name] = _errors(parallel_step(LLAMA, tp, pp, cp, sp), want)
+    for model_name, (hf, config, load, to_megalite) in _models().items():
+        for name, (tp, pp, cp, sp) in LAYOUTS.items():
+            got = parallel_step(config, tp, pp, cp, sp,
+                                load=lambda chunks: load(chunks, hf.state_dict(), config))
+            want = _hf_reference(hf, 8 // (tp * pp * cp), to_megalite)
+            out[f"{model_name} vs transformers, {name}"] = _errors(got, want)
     return out
 
 
