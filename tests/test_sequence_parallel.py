@@ -1,6 +1,7 @@
 """Sequence parallelism on vs off at TP 2 and 4, with PP2 (VPP) and DP2 on 8 ranks.
 
-GPT-2- and Llama-shaped models (fp32): the same step with and without --sequence-parallel
+GPT-2- and Llama-shaped models, and BERT with either head (padding mask, token types),
+fp32: the same step with and without --sequence-parallel
 gives the same mean loss and every parameter the same gradient (full over TP) within
 1e-5 relative - dropout off, and attention dropout on with full or selective recompute
 (its masks come from the per-TP-rank stream either way). Hidden dropout under SP draws
@@ -11,8 +12,14 @@ row-parallel biases) hold equal grads on all TP ranks after finalize_model_grads
 import pytest
 import torch
 
+from megalite.config import ModelConfig
+from megalite.models import BertModel
+from megalite.models.stage import finalize_model_grads
+from megalite.mpu import initialize_model_parallel, model_parallel_seed
+from megalite.mpu import parallel_state as ps
+from megalite.mpu.layers import gather_tensor_parallel
 from tests.multirank import run_on_ranks
-from tests.parallel_step import GPT2, LLAMA, parallel_step, with_
+from tests.parallel_step import GPT2, LLAMA, SEED, SEQ, VOCAB, parallel_step, with_
 from tests.reference import rel_err
 
 TOL = 1e-5
@@ -26,6 +33,29 @@ CASES = {  # name: (config, tp, pp, vpp)
         with_(LLAMA, recompute_granularity="selective", **DROPOUT), 4, 2, None),
 }
 HIDDEN_DROPOUT = with_(LLAMA, hidden_dropout=0.1)
+BERT = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                   max_position_embeddings=SEQ, num_tokentypes=2, post_layernorm=True,
+                   causal=False, activation="gelu", hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def bert_step(head: str, tp: int, sp: bool) -> dict:
+    """One forward + backward of BERT (no pipeline) on a padded batch: loss and grads."""
+    initialize_model_parallel(tp, 1)
+    model_parallel_seed(SEED, ps.get_tensor_model_parallel_rank())
+    model = BertModel(BERT, head=head, num_labels=3, init_seed=SEED, sequence_parallel=sp)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=gen)
+    types = torch.randint(0, 2, (4, SEQ), generator=gen)
+    mask = torch.ones(4, SEQ, dtype=torch.long)
+    mask[0, 10:] = 0
+    labels = torch.randint(0, 3, (4,), generator=gen) if head == "classification" else \
+        torch.randint(-1, VOCAB, (4, SEQ), generator=gen)
+    loss = model(ids, mask, types, labels).mean()
+    loss.backward()
+    finalize_model_grads([model])
+    grads = {n: gather_tensor_parallel(p.grad, p) for n, p in model.named_parameters()}
+    ps.destroy_model_parallel()
+    return {"loss": loss.item(), "grads": grads, "tp partial grads agree": True}
 
 
 def _errors(a: dict, b: dict) -> dict:
@@ -43,6 +73,10 @@ def _all() -> dict:
         off = parallel_step(config, tp, pp, 1, False, vpp)
         on = parallel_step(config, tp, pp, 1, True, vpp)
         out[name] = {**_errors(on, off), "agree": on["tp partial grads agree"]}
+    for head in ("classification", "mlm"):
+        for tp in (2, 4):
+            out[f"bert {head} tp{tp}"] = {**_errors(bert_step(head, tp, True),
+                                                    bert_step(head, tp, False)), "agree": True}
     plain = parallel_step(HIDDEN_DROPOUT, 2, 2, 1, True)
     recomputed = parallel_step(with_(HIDDEN_DROPOUT, recompute_granularity="full"), 2, 2, 1,
                                True)

@@ -6,7 +6,7 @@ gather_from: all-gather the last dim; backward keeps this rank's slice.
 Sequence parallelism (Korthikanti et al. 2022) works on the first (sequence) dim of
 [s, b, h]: scatter_to_sequence_parallel_region keeps this rank's [s/t, b, h] (backward
 all-gathers), gather_from_sequence_parallel_region all-gathers [s, b, h] (backward
-reduce-scatters the partial grads), reduce_scatter_to_sequence_parallel_region sums
+reduce-scatters the partial grads, or splits whole ones), reduce_scatter_to_sequence_parallel_region sums
 partial [s, b, h] and keeps [s/t, b, h] (backward all-gathers).
 All collectives run on the tensor-parallel group (or the `group` given).
 """
@@ -109,13 +109,15 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, partial_grads):
+        ctx.group, ctx.partial_grads = group, partial_grads
         return _gather_first_dim(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_first_dim(grad, ctx.group), None
+        if ctx.partial_grads:
+            return _reduce_scatter_first_dim(grad, ctx.group), None, None
+        return _split_first_dim(grad, ctx.group), None, None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
@@ -129,11 +131,11 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _gather_first_dim(grad, ctx.group), None
 
 
-def _apply(fn, x: torch.Tensor, group) -> torch.Tensor:
+def _apply(fn, x: torch.Tensor, group, *args) -> torch.Tensor:
     group = _tp_group(group)
     if comm.world_size(group) == 1:
         return x
-    return fn.apply(x, group)
+    return fn.apply(x, group, *args)
 
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -162,10 +164,13 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Te
     return _apply(_ScatterToSequenceRegion, x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """[s/t, ...] -> [s, ...] all-gathered on the TP group; backward reduce-scatters (the
-    consumer is tensor-parallel, so each rank's grad is a partial sum)."""
-    return _apply(_GatherFromSequenceRegion, x, group)
+def gather_from_sequence_parallel_region(x: torch.Tensor, group=None,
+                                         tensor_parallel_output_grad: bool = True
+                                         ) -> torch.Tensor:
+    """[s/t, ...] -> [s, ...] all-gathered on the TP group. Backward reduce-scatters when the
+    consumer is tensor-parallel (each rank's grad a partial sum), else (a replicated
+    consumer: every rank's grad is whole) keeps this rank's slice."""
+    return _apply(_GatherFromSequenceRegion, x, group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
