@@ -8,10 +8,11 @@ Narayanan et al. 2021's FLOPs and bubble, and the bytes the TP, PP and DP collec
 move, and the context-parallel ring (`ring_attention_elements`). Sequence parallelism
 splits the norm/dropout/residual activations over TP (sbh(34 + 5as/h)/t per layer at 2
 bytes, 34 sbh/t selective) and turns each TP all-reduce into an all-gather plus a
-reduce-scatter; context parallelism divides every activation by cp. Byte counts are "payload" (the tensors handed to a collective, what
-`megalite.mpu.comm` counts) and "wire" (what one rank sends on a ring: an all-reduce of
-S bytes over n ranks sends 2(n-1)/n S, a reduce-scatter of S (n-1)/n S, an all-gather of
-shards of S (n-1) S, a point-to-point message its size).
+reduce-scatter; context parallelism divides every activation by cp. Byte counts are
+"payload" (the tensors handed to a collective, what `megalite.mpu.comm` counts) and "wire"
+(what one rank sends on a ring: an all-reduce of S bytes over n ranks sends 2(n-1)/n S, a
+reduce-scatter of S (n-1)/n S, an all-gather of shards of S (n-1) S, a point-to-point
+message its size).
 """
 import math
 from dataclasses import dataclass

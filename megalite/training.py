@@ -60,6 +60,9 @@ def validate_configs(configs: Configs, world_size: int) -> RunShape:
                          f"{p.pipeline_model_parallel_size}) = {dp}")
     check_sequence_split(t.seq_length, p.tensor_model_parallel_size, p.sequence_parallel,
                          p.context_parallel_size)
+    if p.context_parallel_size > 1 and m.attention_dropout:
+        raise ValueError(f"--context-parallel-size {p.context_parallel_size} needs "
+                         f"--attention-dropout 0 (got {m.attention_dropout})")
     chunks = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
     if m.num_layers % chunks:
         raise ValueError(f"--num-layers ({m.num_layers}) must be divisible by --pp x --vpp "

@@ -5,7 +5,8 @@ GPT-2 and Llama (RMSNorm, RoPE, SwiGLU, GQA with 2 KV groups, untied output): we
 random transformers GPT2LMHeadModel / LlamaForCausalLM models; the mean loss over all
 tokens of the global batch and every parameter's gradient (full over TP) against the
 transformers model's within 1e-5 relative. pretrain_gpt.py trains the same
-losses at TP2 x CP2 with --sequence-parallel as at TP2 x DP2. Bad sequence splits fail with
+losses (3 AdamW steps) at TP2 x CP2 with --sequence-parallel, with and without the
+distributed optimizer, as at TP2 x DP2. Bad sequence splits fail with
 one line before any collective.
 """
 import pytest
@@ -16,6 +17,7 @@ from megalite.hf import (gpt2_config, gpt2_to_megalite, llama_config, llama_to_m
                          load_gpt2, load_llama)
 from megalite.mpu import comm
 from megalite.mpu.context_parallel import check_sequence_split
+from megalite.mpu.parallel_state import GridLayout
 from megalite.training import validate_configs
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
@@ -114,6 +116,8 @@ def test_bad_sequence_splits_fail_with_one_line():
     (["--cp", "2", "--seq-length", "18"], 2, "--seq-length (18) must be divisible by 2 x "
                                             "--context-parallel-size (4)"),
     (["--cp", "3"], 4, "world size 4 is not divisible by tensor (1) x context (3)"),
+    (["--cp", "2", "--attention-dropout", "0.1"], 2, "--context-parallel-size 2 needs "
+                                                    "--attention-dropout 0 (got 0.1)"),
 ])
 def test_bad_flags_fail_in_validation(argv, world, message):
     configs = parse_configs(["--max-position-embeddings", "32", "--seq-length", "16", *argv])
@@ -126,8 +130,28 @@ def test_pretrain_gpt_context_and_sequence_parallel_trains_like_data_parallel(tm
     prefix = make_dataset(str(tmp_path))
     common = ["--hidden-dropout", "0", "--attention-dropout", "0", "--tp", "2"]
     runs = {}
-    for name, extra in {"tp2 dp2": [], "tp2 cp2 sp": ["--cp", "2", "--sequence-parallel"]}.items():
+    layouts = {"tp2 dp2": [], "tp2 cp2 sp": ["--cp", "2", "--sequence-parallel"],
+               "tp2 cp2 sp zero-1": ["--cp", "2", "--sequence-parallel",
+                                     "--use-distributed-optimizer"]}
+    for name, extra in layouts.items():
         argv = tiny_args(prefix, str(tmp_path / name), 3, *common, *extra)
         runs[name] = run_on_ranks(4, train, argv)[0]
-    want, got = runs["tp2 dp2"], runs["tp2 cp2 sp"]
-    assert max(abs(got[i] - want[i]) / want[i] for i in want) < 1e-5, runs
+    want = runs["tp2 dp2"]
+    for name in ("tp2 cp2 sp", "tp2 cp2 sp zero-1"):
+        got = runs[name]
+        assert max(abs(got[i] - want[i]) / want[i] for i in want) < 1e-5, runs
+
+
+def test_grid_layout_is_tp_cp_dp_pp():
+    grid = GridLayout(tp=2, pp=2, dp=1, cp=2)
+    assert grid.tensor_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.context_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.pipeline_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.model_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    grid = GridLayout(tp=1, pp=1, dp=2, cp=4)
+    assert grid.context_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert grid.data_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.data_context_groups() == [list(range(8))]
+    assert [grid.cp_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [grid.coords(r) for r in (0, 3, 4, 7)] == [(0, 0, 0), (0, 0, 0), (0, 1, 0),
+                                                      (0, 1, 0)]

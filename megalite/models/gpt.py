@@ -1,6 +1,5 @@
 """GPT-family decoder (GPT-2, Llama, ... as specs) built one pipeline stage or chunk at a time."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig

@@ -6,8 +6,9 @@ gather_from: all-gather the last dim; backward keeps this rank's slice.
 Sequence parallelism (Korthikanti et al. 2022) works on the first (sequence) dim of
 [s, b, h]: scatter_to_sequence_parallel_region keeps this rank's [s/t, b, h] (backward
 all-gathers), gather_from_sequence_parallel_region all-gathers [s, b, h] (backward
-reduce-scatters the partial grads, or splits whole ones), reduce_scatter_to_sequence_parallel_region sums
-partial [s, b, h] and keeps [s/t, b, h] (backward all-gathers).
+reduce-scatters the partial grads, or splits whole ones),
+reduce_scatter_to_sequence_parallel_region sums partial [s, b, h] and keeps [s/t, b, h]
+(backward all-gathers).
 All collectives run on the tensor-parallel group (or the `group` given).
 """
 import torch
