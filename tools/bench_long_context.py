@@ -7,10 +7,10 @@ A GPT-2-shaped model (fp32, dropout off, selective recompute) on gloo CPU ranks
 
 - memory: the bytes autograd saves for backward inside the transformer layers during one
   microbatch's forward on rank 0 (saved-tensor hooks, unique storages, parameters
-  excluded), per layer, beside megalite.planner's formula: sbh(16e + 2 + 12e/t) at e = 4
-  bytes (Korthikanti's 34 sbh / t at 2 bytes, whole with sequence parallelism:
-  66 sbh / t), divided by cp - for TP2 without and with --sequence-parallel and for CP in
-  {1, 2, 4}.
+  excluded), per layer, beside megalite.planner's selective-recompute formula at e = 4
+  bytes: sbh(4e + 2 + 12e/t) = sbh(18 + 48/t), and (4e + 2 + 12e) sbh/t = 66 sbh/t with
+  sequence parallelism (Korthikanti's 34 sbh/t at 2 bytes), divided by cp - for TP2
+  without and with --sequence-parallel and for CP in {1, 2, 4}.
 - time: median seconds per step (forward + backward + DP/CP grad reduction) of TP2 with
   SP over TP2 without; and CP n (n microbatches of one sequence) over DP n (one sequence
   per rank) - equal global tokens per step, same n ranks (and CP2 over CP1, one rank
