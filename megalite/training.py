@@ -274,10 +274,11 @@ def pretrain(configs: Configs, model_provider: Callable, forward_step_func: Call
                    evals * t.eval_iters * shape.global_batch_size, 0)
     train_iter, valid_iter = datasets_provider(configs, num_samples, consumed)
     n_params = sum(p.numel() for c in model for p in c.parameters())
+    cp = configs.parallel.context_parallel_size
     log(f"model: {configs.model.num_layers} layers, hidden {configs.model.hidden_size}, "
         f"{n_params:,} parameters on rank 0 | world {world} = TP "
-        f"{configs.parallel.tensor_model_parallel_size} x CP "
-        f"{configs.parallel.context_parallel_size} x PP "
+        f"{configs.parallel.tensor_model_parallel_size} x "
+        f"{f'CP {cp} x ' if cp > 1 else ''}PP "
         f"{configs.parallel.pipeline_model_parallel_size} x DP {shape.data_parallel_size} | "
         f"global batch {shape.global_batch_size} = {shape.num_microbatches} microbatches x "
         f"{t.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
