@@ -129,6 +129,9 @@ def prepare_task(configs: Configs, world_size: int) -> Task:
                          "directory; tools/convert_checkpoint.py --model-type bert makes one)")
     if ft.epochs < 1:
         raise ValueError(f"--epochs ({ft.epochs}) must be >= 1")
+    if p.context_parallel_size > 1:
+        raise ValueError("--context-parallel-size: BERT batches carry padding masks, which "
+                         "ring attention does not take (use TP with --sequence-parallel)")
     model_dir = ft.pretrained or default_model_dir()
     hf_config, hf_state = read_bert_dir(model_dir)
     classifier = hf_state.get("classifier.weight")
@@ -160,7 +163,8 @@ def model_provider(configs: Configs, pre_process: bool, post_process: bool) -> B
     return BertModel(configs.model, head="classification", num_labels=configs.finetune.num_labels,
                      pre_process=pre_process, post_process=post_process,
                      init_seed=configs.train.seed, params_dtype=configs.precision.params_dtype,
-                     device=device.current_device())
+                     device=device.current_device(),
+                     sequence_parallel=configs.parallel.sequence_parallel)
 
 
 def loss_func(labels: torch.Tensor, logits: torch.Tensor):

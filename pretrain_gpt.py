@@ -1,6 +1,7 @@
 """Pretrain a GPT model: `python pretrain_gpt.py` trains a small GPT on the built-in corpus.
 
-Multi-rank: `torchrun --nproc_per_node 8 pretrain_gpt.py --tp 2 --pp 2 --dp 2`.
+Multi-rank: `torchrun --nproc_per_node 8 pretrain_gpt.py --tp 2 --pp 2 --dp 2`; long
+sequences: `--sequence-parallel` (TP > 1) and `--cp N` (context parallelism).
 Own data: `--data-path PREFIX --tokenizer TOKENIZER` (see tools/preprocess_data.py).
 """
 import functools
@@ -19,6 +20,7 @@ from megalite.data.samplers import PretrainingSampler, batch_iterator
 from megalite.data.tokenizers import build_tokenizer
 from megalite.models import GPTModel
 from megalite.mpu import parallel_state as ps
+from megalite.mpu.context_parallel import get_batch_on_this_cp_rank
 from megalite.resilience import NonFiniteError
 from megalite.training import pretrain
 
@@ -67,7 +69,8 @@ def prepare(configs: Configs) -> None:
 def model_provider(configs: Configs, pre_process: bool, post_process: bool) -> torch.nn.Module:
     return GPTModel(configs.model, pre_process=pre_process, post_process=post_process,
                     init_seed=configs.train.seed, params_dtype=configs.precision.params_dtype,
-                    device=device.current_device())
+                    device=device.current_device(),
+                    sequence_parallel=configs.parallel.sequence_parallel)
 
 
 def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -77,9 +80,11 @@ def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, tor
 
 
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
-    """tokens [b, s+1] -> per-token loss [b, s] on the last stage (hidden [s, b, h] elsewhere)."""
+    """tokens [b, s+1] -> per-token loss [b, s] on the last stage (hidden [s, b, h] elsewhere);
+    with context parallelism this CP rank's [b, s/cp] tokens, labels and positions."""
     tokens = next(data_iterator)["tokens"].to(device.current_device())
-    return model(tokens[:, :-1], tokens[:, 1:]), loss_func
+    inputs, labels, position_ids = get_batch_on_this_cp_rank(tokens[:, :-1], tokens[:, 1:])
+    return model(inputs, labels, position_ids), loss_func
 
 
 def datasets_provider(configs: Configs, num_samples: tuple[int, int, int], consumed: int):

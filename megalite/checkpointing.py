@@ -134,7 +134,7 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
     dist.barrier()
     finite = bool(torch.stack([torch.isfinite(p).all() for c in model for p in c.parameters()])
                   .all())  # one device sync
-    if ps.get_data_parallel_rank() == 0:
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
         weights = {}
         for chunk in model:
             weights.update(full_state_dict(chunk))

@@ -109,7 +109,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the world is split: TP x PP x DP ranks (Megatron's tp-dp-pp order)."""
+    """How the world is split: TP x CP x DP x PP ranks (Megatron's tp-cp-dp-pp order)."""
 
     tensor_model_parallel_size: int = arg(1, "tensor-parallel size", aliases=("--tp",))
     pipeline_model_parallel_size: int = arg(1, "pipeline-parallel size", aliases=("--pp",))
@@ -123,6 +123,11 @@ class ParallelConfig:
         "split the backward into input and weight grads; zbv runs 2 chunks per rank in V "
         "placement)", choices=PIPELINE_SCHEDULES)
     distributed_timeout_minutes: float = arg(10.0, "bound on any collective wait")
+    sequence_parallel: bool = arg(False, "split norms, dropout and residual activations along "
+                                  "the sequence over TP (needs TP > 1)")
+    context_parallel_size: int = arg(1, "context-parallel size: each rank holds 2 load-balanced "
+                                     "chunks of every sequence, ring attention",
+                                     aliases=("--cp",))
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule == "zbv" and self.virtual_pipeline_model_parallel_size is None \

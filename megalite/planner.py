@@ -5,10 +5,14 @@ The formulas are Megatron-LM's (REFERENCES.md): bytes per parameter of the model
 (generalised to e-byte activations: masks stay 1 byte, so 2-byte sbh(34 + 5as/h) becomes
 sbh(16e + 2 + (2e + 1)as/h)), the in-flight microbatches of the pipeline schedule,
 Narayanan et al. 2021's FLOPs and bubble (Qi et al. 2024's for the zero-bubble schedules),
-and the bytes the TP, PP and DP collectives move. Byte counts are "payload" (the tensors
-handed to a collective, what `megalite.mpu.comm` counts) and "wire" (what one rank sends
-on a ring: an all-reduce of S bytes over n ranks sends 2(n-1)/n S, a reduce-scatter of
-S (n-1)/n S, an all-gather of shards of S (n-1) S, a point-to-point message its size).
+and the bytes the TP, PP and DP collectives move, and the context-parallel ring
+(`ring_attention_elements`). Sequence parallelism splits the norm/dropout/residual
+activations over TP (sbh(34 + 5as/h)/t per layer at 2 bytes, 34 sbh/t selective) and turns
+each TP all-reduce into an all-gather plus a reduce-scatter; context parallelism divides
+every activation by cp. Byte counts are "payload" (the tensors handed to a collective, what
+`megalite.mpu.comm` counts) and "wire" (what one rank sends on a ring: an all-reduce of S
+bytes over n ranks sends 2(n-1)/n S, a reduce-scatter of S (n-1)/n S, an all-gather of
+shards of S (n-1) S, a point-to-point message its size).
 """
 import functools
 import math
@@ -89,6 +93,16 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int, act_byte
     return per_layer
 
 
+def ring_attention_elements(s: int, b: int, kv_groups: int, head_dim: int, cp: int
+                            ) -> tuple[int, int, int]:
+    """Elements one CP rank sends per layer per microbatch in ring attention: (forward K/V,
+    backward K/V, backward dK/dV). A K/V block [2, b, g, s/cp, d] travels cp - 1 hops in
+    forward and again in backward; its grads (fp32) travel cp hops, the last one home -
+    backward about twice forward. `kv_groups`: the KV groups on this TP rank."""
+    block = 2 * (s // cp) * b * kv_groups * head_dim
+    return (cp - 1) * block, (cp - 1) * block, cp * block
+
+
 def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> Fraction:
     """Microbatches (in whole-stage units) whose activations rank `rank` holds at its peak,
     from forward to (input-grad) backward: GPipe m; 1F1B and ZB-H1 min(p - r, m);
@@ -167,7 +181,8 @@ class Plan:
     @property
     def gpus(self) -> int:
         p = self.configs.parallel
-        return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * self.dp
+        return (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * self.dp
+                * p.context_parallel_size)
 
     @property
     def total_params(self) -> int:
@@ -196,31 +211,52 @@ class Plan:
 
         TP: per microbatch 2 all-reduces of b s h in forward and 2 in backward per layer (2 more
         forward with full recompute), the embedding's forward and the LM head's backward
-        all-reduce of b s h, and cross entropy's 3 fp32 all-reduces of s b. PP: b s h per
-        microbatch per boundary each way (v times the messages interleaved). DP: the grads
-        all-reduced, or reduce-scattered and the params all-gathered (distributed optimizer),
-        and the tied word embedding's grad all-reduced between first and last stage.
+        all-reduce of b s h, and cross entropy's 3 fp32 all-reduces of s b. Sequence
+        parallel: each layer all-reduce becomes an all-gather of the b s h / t shard and a
+        reduce-scatter of b s h; the LM head all-gathers in forward and reduce-scatters in
+        backward, the embedding output's scatter all-gathers its grad. CP: s is s / cp
+        everywhere, plus the ring's K/V and dK/dV sends (`ring_attention_elements`; the
+        forward ring again with recompute). PP: b s h (/ t with SP) per microbatch per
+        boundary each way (v times the messages interleaved). DP: the grads all-reduced over
+        DP x CP, or reduce-scattered and the params all-gathered (distributed optimizer), and
+        the tied word embedding's grad all-reduced between first and last stage.
         """
         model, t, par = self.configs.model, self.configs.train, self.configs.parallel
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-        v = par.virtual_pipeline_model_parallel_size or 1
+        v, cp = par.virtual_pipeline_model_parallel_size or 1, par.context_parallel_size
         first, last = stage == "first" or pp == 1, stage == "last" or pp == 1
         e, (_, grad_bytes, _) = ACTIVATION_BYTES[self.precision], STATE_BYTES[self.precision]
-        sb = t.seq_length * t.micro_batch_size
+        sb = t.seq_length // cp * t.micro_batch_size
         m, sbh, params = self.microbatches, sb * model.hidden_size, self.stages[stage].params
+        layers, forwards = model.num_layers // pp, 1 + (model.recompute_granularity == "full")
+        layer_collectives = layers * (2 * forwards + 2) * sbh * e
+        loss_reduces = last * 3 * sb * LOSS_BYTES
         out = {}
-        if tp > 1:
-            per_layer = (4 + 2 * (model.recompute_granularity == "full")) * sbh * e
-            per_microbatch = (model.num_layers // pp * per_layer + (first + last) * sbh * e
-                              + last * 3 * sb * LOSS_BYTES)
-            out["TP all-reduce"] = ("all_reduce", m * per_microbatch, tp)
+        if tp > 1 and not self.sequence_parallel:
+            out["TP all-reduce"] = ("all_reduce", m * (layer_collectives + (first + last) * sbh
+                                                       * e + loss_reduces), tp)
+        elif tp > 1:
+            out["TP all-reduce"] = ("all_reduce", m * (first * sbh * e + loss_reduces), tp)
+            out["SP all-gather"] = ("all_gather", m * (layer_collectives + (first + last) * sbh
+                                                       * e) / tp, tp)
+            out["SP reduce-scatter"] = ("reduce_scatter", m * (layer_collectives
+                                                               + last * sbh * e), tp)
+        if cp > 1:
+            kv_fwd, kv_bwd, grads = ring_attention_elements(
+                t.seq_length, t.micro_batch_size, max(model.query_groups // tp, 1),
+                model.head_dim, cp)
+            again = 1 + (model.recompute_granularity is not None)
+            out["CP ring send"] = ("send", m * layers * ((again * kv_fwd + kv_bwd) * e
+                                                         + grads * LOSS_BYTES), 2)
         if pp > 1:  # forwards to the next stage and grads to the previous, per chunk
-            out["PP send"] = ("send", m * (2 * v - (first or last)) * sbh * e, 2)
-        if self.dp > 1 and self.configs.optimizer.use_distributed_optimizer:
-            out["DP grad reduce-scatter"] = ("reduce_scatter", params * grad_bytes, self.dp)
-            out["DP param all-gather"] = ("all_gather", params * e / self.dp, self.dp)
-        elif self.dp > 1:
-            out["DP grad all-reduce"] = ("all_reduce", params * grad_bytes, self.dp)
+            message = sbh * e / (tp if self.sequence_parallel else 1)
+            out["PP send"] = ("send", m * (2 * v - (first or last)) * message, 2)
+        dp = self.dp * cp
+        if dp > 1 and self.configs.optimizer.use_distributed_optimizer:
+            out["DP grad reduce-scatter"] = ("reduce_scatter", params * grad_bytes, dp)
+            out["DP param all-gather"] = ("all_gather", params * e / dp, dp)
+        elif dp > 1:
+            out["DP grad all-reduce"] = ("all_reduce", params * grad_bytes, dp)
         if pp > 1 and not model.untie_embeddings_and_output_weights:
             word = self.padded_vocab * model.hidden_size // tp
             out["tied embedding grad all-reduce"] = ("all_reduce", word * grad_bytes, 2)
@@ -270,16 +306,20 @@ def _layer_stack(configs: Configs, layers_per_chunk: int, act_bytes: int, tp: in
     return per("full") + (layers_per_chunk - group) * per(None), group * per(None)
 
 
-def plan(configs: Configs, sequence_parallel: bool = False) -> Plan:
+def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
     """The plan of `configs`, checked as `megalite.training.validate_configs` checks a world
-    of TP x PP x DP ranks (DP defaults to 1). `sequence_parallel` (Megatron's, not in
-    megalite) splits the LayerNorm/dropout activations over TP too."""
+    of TP x CP x PP x DP ranks (DP defaults to 1). `sequence_parallel` (default: the
+    --sequence-parallel flag) splits the norm/dropout activations over TP too; CP divides
+    every activation by cp."""
+    if sequence_parallel is None:
+        sequence_parallel = configs.parallel.sequence_parallel
     from megalite.training import validate_configs  # heavy import, only when planning
     par = configs.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     v = par.virtual_pipeline_model_parallel_size or 1
     dp = par.data_parallel_size or 1
-    shape = validate_configs(configs, tp * pp * dp)
+    cp = par.context_parallel_size
+    shape = validate_configs(configs, tp * pp * dp * cp)
     m = shape.num_microbatches
     schedule = resolve_schedule(par.pipeline_schedule, pp, par.virtual_pipeline_model_parallel_size)
     precision = precision_name(configs)
@@ -296,6 +336,7 @@ def plan(configs: Configs, sequence_parallel: bool = False) -> Plan:
         extras = _extras(configs, e, tp, sequence_parallel, padded_vocab, rank == 0,
                          rank == pp - 1, m if gpipe else min(pp, m), m if gpipe else 1)
         stages[name] = StageMemory(stage_params(configs.model, padded_vocab, tp, pp, rank),
-                                   state, inflight, float(inflight * v * stored), extras, working)
+                                   state, inflight, float(inflight * v * stored) / cp,
+                                   extras / cp, working / cp)
     return Plan(configs, precision, sequence_parallel, schedule, padded_vocab, dp, m,
                 shape.global_batch_size, stages)

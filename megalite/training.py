@@ -21,6 +21,7 @@ from megalite.log_writers import check_available
 from megalite.models.stage import (build_model_chunks, finalize_model_grads,
                                    sync_shared_embedding)
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
+from megalite.mpu.context_parallel import check_sequence_split
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.attention import check_attention_partition
 from megalite.optimizer import get_optimizer, optimizer_settings
@@ -52,11 +53,17 @@ def validate_configs(configs: Configs, world_size: int) -> RunShape:
     """Check every cross-flag constraint; raise ValueError with one line naming the flag."""
     p, m, t = configs.parallel, configs.model, configs.train
     dp = ps.validate_sizes(world_size, p.tensor_model_parallel_size,
-                           p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size)
+                           p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
+                           p.context_parallel_size)
     if p.data_parallel_size is not None and p.data_parallel_size != dp:
         raise ValueError(f"--dp {p.data_parallel_size} does not match world size {world_size} / "
-                         f"(TP {p.tensor_model_parallel_size} x PP "
+                         f"(TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x PP "
                          f"{p.pipeline_model_parallel_size}) = {dp}")
+    check_sequence_split(t.seq_length, p.tensor_model_parallel_size, p.sequence_parallel,
+                         p.context_parallel_size)
+    if p.context_parallel_size > 1 and m.attention_dropout:
+        raise ValueError(f"--context-parallel-size {p.context_parallel_size} needs "
+                         f"--attention-dropout 0 (got {m.attention_dropout})")
     chunks = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
     if m.num_layers % chunks:
         raise ValueError(f"--num-layers ({m.num_layers}) must be divisible by --pp x --vpp "
@@ -125,6 +132,7 @@ def setup_parallel(configs: Configs) -> None:
     device.init_distributed(timeout_s=timeout_s)
     initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                               p.virtual_pipeline_model_parallel_size,
+                              context_parallel_size=p.context_parallel_size,
                               v_shape_placement=resolve_schedule(
                                   p.pipeline_schedule, p.pipeline_model_parallel_size,
                                   p.virtual_pipeline_model_parallel_size) == "zbv",
@@ -177,19 +185,22 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
 
 
 def _mean_over_data_parallel(losses: list[dict], key: str) -> float:
-    """Mean `key` value over this step's microbatches and the DP group (visible on every rank)."""
+    """Mean `key` value over this step's microbatches and the DP x CP group (visible on every
+    rank; CP ranks hold equal numbers of tokens, so this is the mean over all tokens)."""
     value = torch.stack([d[key].float().reshape(()) for d in losses]).mean().reshape(1)
     value = value.to(device.current_device())
-    comm.all_reduce(value, ps.get_data_parallel_group())
-    return value.item() / ps.get_data_parallel_world_size()
+    comm.all_reduce(value, ps.get_data_parallel_group(with_context_parallel=True))
+    return value.item() / ps.get_data_parallel_world_size(with_context_parallel=True)
 
 
 def _sum_over_data_parallel(losses: list[dict]) -> dict[str, float]:
-    """Every loss-dict value summed over this step's microbatches and the DP group."""
+    """Every loss-dict value summed over this step's microbatches and the DP group (and
+    averaged over CP ranks, whose values are means over their own tokens)."""
     keys = list(losses[0])
     sums = torch.stack([torch.stack([d[k].float().reshape(()) for k in keys])
                         for d in losses]).sum(0).to(device.current_device())
-    comm.all_reduce(sums, ps.get_data_parallel_group())
+    comm.all_reduce(sums, ps.get_data_parallel_group(with_context_parallel=True))
+    sums /= ps.get_context_parallel_world_size()
     return dict(zip(keys, sums.tolist()))
 
 
@@ -297,9 +308,11 @@ def pretrain(configs: Configs, model_provider: Callable, forward_step_func: Call
                    evals * t.eval_iters * shape.global_batch_size, 0)
     train_iter, valid_iter = datasets_provider(configs, num_samples, consumed)
     n_params = sum(p.numel() for c in model for p in c.parameters())
+    cp = configs.parallel.context_parallel_size
     log(f"model: {configs.model.num_layers} layers, hidden {configs.model.hidden_size}, "
         f"{n_params:,} parameters on rank 0 | world {world} = TP "
-        f"{configs.parallel.tensor_model_parallel_size} x PP "
+        f"{configs.parallel.tensor_model_parallel_size} x "
+        f"{f'CP {cp} x ' if cp > 1 else ''}PP "
         f"{configs.parallel.pipeline_model_parallel_size} x DP {shape.data_parallel_size} | "
         f"global batch {shape.global_batch_size} = {shape.num_microbatches} microbatches x "
         f"{t.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")

@@ -32,6 +32,9 @@ CASES = {
     "file": (["--valid-data", "{root}/missing.jsonl"], "{root}/missing.jsonl: no such file"),
     "labels": (["--num-labels", "3"], "{root}/model: its classifier has 2 labels, "
                                       "--num-labels is 3"),
+    "context parallel": (["--cp", "2"], "--context-parallel-size: BERT batches carry padding "
+                                        "masks, which ring attention does not take (use TP "
+                                        "with --sequence-parallel)"),
 }
 
 

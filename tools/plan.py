@@ -43,9 +43,6 @@ SECTIONS = (ModelConfig, ParallelConfig, PrecisionConfig, OptimizerConfig, Train
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = build_parser(list(SECTIONS), __doc__.splitlines()[0])
     tool = parser.add_argument_group("planner")
-    tool.add_argument("--sequence-parallel", action="store_true",
-                      help="Megatron's sequence parallelism (not in megalite): splits the "
-                      "LayerNorm/dropout activations over TP too")
     tool.add_argument("--peak-tflops", type=float, default=989.0,
                       help="dense peak per GPU (H100 SXM bf16 989, A100 bf16 312)")
     tool.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
@@ -90,7 +87,8 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
         f"GPT {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, ffn "
         f"{m.ffn_hidden_size}, vocab {m.vocab_size} (padded {p.padded_vocab}), seq "
         f"{t.seq_length}: {p.total_params / 1e9:.2f} B parameters",
-        f"TP {tp} x PP {pp}{f' x VPP {v}' if v > 1 else ''} x DP {p.dp} = {p.gpus} GPUs; micro "
+        f"TP {tp} x CP {par.context_parallel_size} x PP {pp}{f' x VPP {v}' if v > 1 else ''} x "
+        f"DP {p.dp} = {p.gpus} GPUs; micro "
         f"batch {t.micro_batch_size}, global batch {p.global_batch} = {p.microbatches} "
         f"microbatches per DP rank; {p.schedule}; {p.precision}, recompute "
         f"{m.recompute_granularity or 'none'}, "
@@ -118,7 +116,8 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
     lines.append(f"At {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s per GPU: {step:.4g} s/step, "
                  f"{p.global_batch * t.seq_length / step:,.0f} tokens/s, "
                  f"{peak_tflops * mfu:.1f} TFLOP/s per GPU")
-    message = t.seq_length * t.micro_batch_size * m.hidden_size * ACTIVATION_BYTES[p.precision]
+    message = (t.seq_length // par.context_parallel_size * t.micro_batch_size * m.hidden_size
+               * ACTIVATION_BYTES[p.precision])
     lines += ["", f"Communication: a b s h message is {message / 2**20:.2f} MiB; per microbatch "
               f"each layer all-reduces {6 if m.recompute_granularity == 'full' else 4} of them "
               "over TP and each stage boundary carries one each way",

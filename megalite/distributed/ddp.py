@@ -12,7 +12,7 @@ from megalite.mpu import parallel_state
 
 class DistributedDataParallel(nn.Module):
     """Wrap one model chunk: its grads accumulate into `param.main_grad` (fp32, one contiguous
-    buffer per param dtype), averaged over the DP group bucket by bucket.
+    buffer per param dtype), averaged over the DP x CP group bucket by bucket.
 
     A post-accumulate-grad hook adds each `param.grad` into `main_grad` and frees it; with
     `overlap_grad_reduce` a bucket's reduction is launched (async) as soon as its last grad
@@ -30,7 +30,8 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
-        self.data_parallel_group = (parallel_state.get_data_parallel_group()
+        self.data_parallel_group = (parallel_state.get_data_parallel_group(
+                                        with_context_parallel=True)
                                     if data_parallel_group is None else data_parallel_group)
         params = [p for p in module.parameters() if p.requires_grad]
         tied = frozenset(shared_embedding_params(module)) if use_distributed_optimizer \

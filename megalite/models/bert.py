@@ -15,19 +15,25 @@ from megalite.models.stage import pipeline_layer_range, share_embedding_with_fir
 from megalite.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megalite.mpu.layers import (VocabParallelEmbedding, init_method_normal,
                                  set_tensor_model_parallel_attributes)
-from megalite.models.transformer import ParallelTransformer, init_scope, layer_norm
+from megalite.models.transformer import ParallelTransformer, dropout, init_scope, layer_norm
+from megalite.mpu import comm, parallel_state
+from megalite.mpu.mappings import (gather_from_sequence_parallel_region,
+                                   scatter_to_sequence_parallel_region)
 
 HEADS = ("classification", "mlm")
 
 
 def replicated_linear(config: ModelConfig, in_features: int, out_features: int,
-                      params_dtype: torch.dtype, device) -> nn.Linear:
-    """nn.Linear kept whole on every TP rank: normal(std) weight, zero bias."""
+                      params_dtype: torch.dtype, device, sequence_parallel: bool = False
+                      ) -> nn.Linear:
+    """nn.Linear kept whole on every TP rank: normal(std) weight, zero bias (applied to s/t
+    tokens with `sequence_parallel`, so its grads are TP-partial)."""
     linear = nn.Linear(in_features, out_features, dtype=params_dtype, device=device)
     init_method_normal(config.init_method_std)(linear.weight.data)
     nn.init.zeros_(linear.bias)
     for param in linear.parameters():
         set_tensor_model_parallel_attributes(param, False)
+        param.tp_grad_partial = sequence_parallel
     return linear
 
 
@@ -47,15 +53,17 @@ class MaskedLMHead(nn.Module):
     """dense + GeLU + LayerNorm, then the tied word embedding and a vocab-parallel bias.
 
     forward(hidden [s, b, h], word_embeddings) -> vocab-parallel logits [s, b, V_padded/tp].
+    `sequence_parallel`: hidden is [s/t, b, h] until the output layer gathers it.
     """
 
     def __init__(self, config: ModelConfig, word_embeddings: VocabParallelEmbedding,
-                 params_dtype: torch.dtype, device) -> None:
+                 params_dtype: torch.dtype, device, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+        self.sequence_parallel = sequence_parallel
         self.dense = replicated_linear(config, config.hidden_size, config.hidden_size,
-                                       params_dtype, device)
-        self.layernorm = layer_norm(config, params_dtype, device)
+                                       params_dtype, device, sequence_parallel)
+        self.layernorm = layer_norm(config, params_dtype, device, sequence_parallel)
         word = word_embeddings.weight
         self.bias = nn.Parameter(torch.zeros(word.shape[0], dtype=params_dtype, device=device))
         set_tensor_model_parallel_attributes(self.bias, word.tensor_model_parallel, 0)
@@ -64,7 +72,7 @@ class MaskedLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor, word_embeddings: VocabParallelEmbedding
                 ) -> torch.Tensor:
         hidden = self.layernorm(F.gelu(self.dense(hidden), approximate=self.approximate))
-        return word_embeddings.lm_logits(hidden) + self.bias
+        return word_embeddings.lm_logits(hidden, self.sequence_parallel) + self.bias
 
 
 class BertModel(nn.Module):
@@ -77,15 +85,19 @@ class BertModel(nn.Module):
       last stage, classification: loss [b] for labels [b], else logits [b, num_labels];
       last stage, mlm: per-token loss [b, s] for labels [b, s] (0 where label < 0), else
         vocab-parallel logits [b, s, V_padded/tp];
-      other stages: hidden states [s, b, h] for the next stage.
+      other stages: hidden states [s, b, h] for the next stage ([s/t, b, h] with
+      `sequence_parallel`: scattered after the embedding, gathered for the heads).
     Every stage needs attention_mask; only the first reads input_ids and tokentype_ids.
     """
 
     def __init__(self, config: ModelConfig, head: str = "classification", num_labels: int = 2,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, init_seed: int = 1234, group=None,
-                 params_dtype: torch.dtype = torch.float32, device=None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device=None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        tp_group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+        self.sequence_parallel = sp = sequence_parallel and comm.world_size(tp_group) > 1
         if head not in HEADS:
             raise ValueError(f"BERT head {head!r} is not one of {HEADS}")
         if head == "classification" and num_labels < 2:
@@ -99,10 +111,11 @@ class BertModel(nn.Module):
         if pre_process or lm_stage:
             self.embedding = Embedding(config, init_seed, word_only=not pre_process, **kw)
         if pre_process:
-            self.embedding_layernorm = layer_norm(config, params_dtype, device)
+            self.embedding_layernorm = layer_norm(config, params_dtype, device, sp)
         elif lm_stage:
             share_embedding_with_first_stage(self.embedding.word_embeddings.weight)
-        self.encoder = ParallelTransformer(config, self.layer_range, init_seed, **kw)
+        self.encoder = ParallelTransformer(config, self.layer_range, init_seed,
+                                           sequence_parallel=sp, **kw)
         if post_process and head == "classification":
             with init_scope(init_seed, "pooler"):
                 self.pooler = Pooler(config, params_dtype, device)
@@ -112,23 +125,25 @@ class BertModel(nn.Module):
         if lm_stage:
             with init_scope(init_seed, "lm_head"):
                 self.lm_head = MaskedLMHead(config, self.embedding.word_embeddings,
-                                            params_dtype, device)
+                                            params_dtype, device, sp)
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hidden states [s, b, h] received from the previous stage."""
         self.input_tensor = tensor
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, self.config.hidden_dropout, self.training)
+    def _dropout(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        return dropout(x, self.config.hidden_dropout, self.training, sequence_parallel)
 
     def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                 tokentype_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
                 ) -> torch.Tensor:
         mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         if self.pre_process:
-            hidden = self._dropout(self.embedding_layernorm(
-                self.embedding(input_ids, tokentype_ids=tokentype_ids)))
+            hidden = self.embedding(input_ids, tokentype_ids=tokentype_ids)
+            if self.sequence_parallel:
+                hidden = scatter_to_sequence_parallel_region(hidden)
+            hidden = self._dropout(self.embedding_layernorm(hidden), self.sequence_parallel)
         else:
             hidden = self.input_tensor
         hidden = self.encoder(hidden, mask)
@@ -140,6 +155,9 @@ class BertModel(nn.Module):
                 return logits.transpose(0, 1)
             loss = vocab_parallel_cross_entropy(logits, labels.t().clamp(min=0)).t()
             return loss.masked_fill(labels < 0, 0.0)
+        if self.sequence_parallel:  # the pooler reads position 0; its grads are whole per rank
+            hidden = gather_from_sequence_parallel_region(hidden,
+                                                          tensor_parallel_output_grad=False)
         logits = self.classifier(self._dropout(self.pooler(hidden)))
         if labels is None:
             return logits

@@ -1,14 +1,15 @@
 """GPT-family decoder (GPT-2, Llama, ... as specs) built one pipeline stage or chunk at a time."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.models.spec import TransformerSpec
 from megalite.models.stage import pipeline_layer_range, share_embedding_with_first_stage
-from megalite.models.transformer import ParallelTransformer, init_scope, layer_norm
+from megalite.models.transformer import ParallelTransformer, dropout, init_scope, layer_norm
+from megalite.mpu import comm, parallel_state
 from megalite.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megalite.mpu.layers import VocabParallelEmbedding, init_method_normal
+from megalite.mpu.mappings import scatter_to_sequence_parallel_region
 from megalite.mpu.rotary import RotaryEmbedding
 
 
@@ -74,14 +75,22 @@ class GPTModel(nn.Module):
     embedding when tied, else `output_layer`).
     forward(input_ids [b, s], labels [b, s] | None, position_ids [b, s] | None) ->
       last stage: per-token loss [b, s] with labels, else vocab-parallel logits [b, s, V/tp];
-      other stages: hidden states [s, b, h] for the next stage.
+      other stages: hidden states [s, b, h] for the next stage ([s/t, b, h] with
+      `sequence_parallel`: the embedding output is scattered along s over the TP group and
+      gathered again before the output layer).
+    Context parallelism: input_ids, labels and position_ids are this CP rank's tokens
+    (megalite.mpu.context_parallel.get_batch_on_this_cp_rank), s is then s/cp.
     """
 
     def __init__(self, config: ModelConfig, pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, init_seed: int = 1234, group=None,
-                 params_dtype: torch.dtype = torch.float32, device=None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device=None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.config, self.pre_process, self.post_process = config, pre_process, post_process
+        tp_group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+        self.tp_size = comm.world_size(tp_group)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
         spec = TransformerSpec.from_config(config)
         self.share_embeddings_and_output_weights = spec.tie_output
         self.layer_range = layer_range or pipeline_layer_range(config.num_layers)
@@ -92,9 +101,11 @@ class GPTModel(nn.Module):
         if tied_head and not pre_process:
             share_embedding_with_first_stage(self.embedding.word_embeddings.weight)
         self.rotary = RotaryEmbedding(**vars(spec.rotary)) if spec.rotary else None
-        self.encoder = ParallelTransformer(config, self.layer_range, init_seed, **kw)
+        self.encoder = ParallelTransformer(config, self.layer_range, init_seed,
+                                           sequence_parallel=self.sequence_parallel, **kw)
         if post_process:
-            self.final_layernorm = layer_norm(config, params_dtype, device)
+            self.final_layernorm = layer_norm(config, params_dtype, device,
+                                              self.sequence_parallel)
         if post_process and not spec.tie_output:
             with init_scope(init_seed, "output_layer"):
                 self.output_layer = VocabParallelEmbedding(
@@ -116,7 +127,8 @@ class GPTModel(nn.Module):
         if self.rotary is None:
             return None
         if position_ids is None:
-            s = input_ids.shape[1] if input_ids is not None else self.input_tensor.shape[0]
+            split = self.tp_size if self.sequence_parallel else 1
+            s = input_ids.shape[1] if input_ids is not None else self.input_tensor.shape[0] * split
             device = self.rotary.inv_freq.device if input_ids is None else input_ids.device
             position_ids = torch.arange(s, device=device).unsqueeze(0)
         return self.rotary(position_ids)
@@ -124,14 +136,18 @@ class GPTModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.pre_process:
-            hidden = F.dropout(self.embedding(input_ids, position_ids),
-                               self.config.hidden_dropout, self.training)
+            hidden = self.embedding(input_ids, position_ids)
+            if self.sequence_parallel:
+                hidden = scatter_to_sequence_parallel_region(hidden)
+            hidden = dropout(hidden, self.config.hidden_dropout, self.training,
+                             self.sequence_parallel)
         else:
             hidden = self.input_tensor
         hidden = self.encoder(hidden, rotary=self._rotary(input_ids, position_ids))
         if not self.post_process:
             return hidden
-        logits = self.output_weights().lm_logits(self.final_layernorm(hidden))
+        logits = self.output_weights().lm_logits(self.final_layernorm(hidden),
+                                                 self.sequence_parallel)
         if labels is None:
             return logits.transpose(0, 1)
         return vocab_parallel_cross_entropy(logits, labels.t()).t()

@@ -2,7 +2,11 @@
 
 Activations are [s, b, h]. Each layer does two all-reduces on the TP group in forward
 (after the attention output projection and after the MLP) and two in backward (the
-grads entering the QKV and first MLP projections).
+grads entering the QKV and first MLP projections). With sequence parallelism the
+activations between those regions are [s/t, b, h]: each all-reduce becomes an all-gather
+before the projection and a reduce-scatter after it, norms, dropout and residual adds see
+s/t tokens, the dropout masks come from the per-TP-rank RNG stream, and the norm weights'
+grads are summed over TP (`tp_grad_partial`) before the optimizer.
 """
 import zlib
 from collections.abc import Iterator
@@ -17,7 +21,7 @@ from megalite.mpu.attention import ParallelAttention
 from megalite.mpu.layers import (init_method_normal, scaled_init_method_normal,
                                  set_tensor_model_parallel_attributes)
 from megalite.mpu.mlp import ParallelMLP
-from megalite.mpu.random import checkpoint, seeded
+from megalite.mpu.random import checkpoint, get_rng_tracker, seeded
 
 Rotary = tuple[torch.Tensor, torch.Tensor] | None
 
@@ -30,13 +34,25 @@ def init_scope(seed: int, key: str):
     return seeded(zlib.crc32(f"{seed}:{key}".encode()))
 
 
-def layer_norm(config: ModelConfig, dtype: torch.dtype, device) -> nn.Module:
-    """The spec's normalization (LayerNorm or RMSNorm) over h, replicated on every TP rank."""
+def layer_norm(config: ModelConfig, dtype: torch.dtype, device,
+               sequence_parallel: bool = False) -> nn.Module:
+    """The spec's normalization (LayerNorm or RMSNorm) over h, replicated on every TP rank
+    (with `sequence_parallel` applied to s/t tokens, so its grads are TP-partial)."""
     norm_cls = nn.LayerNorm if config.normalization == "LayerNorm" else nn.RMSNorm
     norm = norm_cls(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
     for param in norm.parameters():
         set_tensor_model_parallel_attributes(param, False)
+        param.tp_grad_partial = sequence_parallel
     return norm
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout of [s, b, h]; of [s/t, b, h] on the per-TP-rank RNG stream (sequence parallel),
+    since each TP rank then holds different tokens."""
+    if not training or p == 0.0 or not sequence_parallel:
+        return F.dropout(x, p, training)
+    with get_rng_tracker().fork():
+        return F.dropout(x, p, training)
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -44,22 +60,25 @@ class ParallelTransformerLayer(nn.Module):
     forward(x [s, b, h], mask, rotary (cos, sin) | None) -> [s, b, h]."""
 
     def __init__(self, config: ModelConfig, layer_number: int, group=None,
-                 params_dtype=torch.float32, device=None) -> None:
+                 params_dtype=torch.float32, device=None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
         spec = TransformerSpec.from_config(config)
         self.post_norm, self.hidden_dropout = spec.post_norm, spec.hidden_dropout
+        self.sequence_parallel = sequence_parallel
         init = init_method_normal(config.init_method_std)
         kw = dict(init_method=init, group=group, params_dtype=params_dtype, device=device,
                   output_init_method=scaled_init_method_normal(config.init_method_std,
-                                                               config.num_layers))
-        self.input_layernorm = layer_norm(config, params_dtype, device)
+                                                               config.num_layers),
+                  sequence_parallel=sequence_parallel)
+        self.input_layernorm = layer_norm(config, params_dtype, device, sequence_parallel)
         self.self_attention = ParallelAttention(**spec.attention_kwargs(), **kw)
-        self.post_attention_layernorm = layer_norm(config, params_dtype, device)
+        self.post_attention_layernorm = layer_norm(config, params_dtype, device,
+                                                   sequence_parallel)
         self.mlp = ParallelMLP(**spec.mlp_kwargs(), **kw)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, self.hidden_dropout, self.training)
+        return dropout(x, self.hidden_dropout, self.training, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rotary: Rotary = None) -> torch.Tensor:
@@ -82,14 +101,16 @@ class ParallelTransformer(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int], init_seed: int,
-                 group=None, params_dtype=torch.float32, device=None) -> None:
+                 group=None, params_dtype=torch.float32, device=None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.config = config
         layers = {}
         for number in range(*layer_range):
             with init_scope(init_seed, f"layer.{number}"):
                 layers[str(number)] = ParallelTransformerLayer(
-                    config, number, group=group, params_dtype=params_dtype, device=device)
+                    config, number, group=group, params_dtype=params_dtype, device=device,
+                    sequence_parallel=sequence_parallel)
         self.layers = nn.ModuleDict(layers)
 
     def _groups(self) -> Iterator[tuple[list[nn.Module], bool]]:

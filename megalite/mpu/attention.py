@@ -9,13 +9,17 @@ query heads share one K and V):
   groups each KV group is replicated on the TP/groups ranks whose query heads use it (weights
   identical, grads summed by `allreduce_tp_partial_grads`).
 One all-reduce on the TP group after the output projection in forward, one for the input
-grad in backward.
+grad in backward; with `sequence_parallel` an all-gather of the [s/t, b, h] input and a
+reduce-scatter of the output instead (and the converse in backward).
+With a context-parallel group of more than one rank, each rank holds s/cp tokens (two
+load-balanced chunks, see megalite.mpu.context_parallel) and the core is ring attention.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megalite.mpu import comm, parallel_state
+from megalite.mpu.ring_attention import ring_attention
 from megalite.mpu.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
 from megalite.mpu.random import checkpoint, get_rng_tracker
 from megalite.mpu.rotary import apply_rotary
@@ -42,7 +46,9 @@ class ParallelAttention(nn.Module):
     rotary (cos, sin) [b, 1, s, d] | None, recompute_core) -> [s, b, h].
 
     `causal` adds the causal mask to any given mask. Dropout on the probabilities draws from
-    the TP-rank RNG stream.
+    the TP-rank RNG stream. `sequence_parallel`: x and the output are [s/t, b, h].
+    `context_parallel_group` (default: the grid's CP group): more than one rank -> ring
+    attention over it (no mask other than causal, no attention dropout).
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int,
@@ -50,9 +56,15 @@ class ParallelAttention(nn.Module):
                  qkv_bias: bool = True, output_bias: bool = True, causal: bool = True,
                  attention_dropout: float = 0.0, init_method: InitMethod | None = None,
                  output_init_method: InitMethod | None = None, group=None,
-                 params_dtype: torch.dtype = torch.float32, device=None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device=None,
+                 sequence_parallel: bool = False, context_parallel_group=None) -> None:
         super().__init__()
         group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+        self.cp_group = parallel_state.get_context_parallel_group() \
+            if context_parallel_group is None else context_parallel_group
+        if comm.world_size(self.cp_group) > 1 and attention_dropout:
+            raise ValueError(f"context parallelism needs --attention-dropout 0 (got "
+                             f"{attention_dropout})")
         tp = comm.world_size(group)
         groups = num_query_groups or num_attention_heads
         check_attention_partition(num_attention_heads, groups, tp)
@@ -61,7 +73,8 @@ class ParallelAttention(nn.Module):
         self.heads_per_rank = num_attention_heads // tp
         self.groups_per_rank = max(groups // tp, 1)
         d, kw = self.head_dim, dict(init_method=init_method, group=group,
-                                    params_dtype=params_dtype, device=device)
+                                    params_dtype=params_dtype, device=device,
+                                    sequence_parallel=sequence_parallel)
         self.fused_qkv = groups == num_attention_heads
         if self.fused_qkv:
             self.query_key_value = ColumnParallelLinear(hidden_size, 3 * num_attention_heads * d,
@@ -73,16 +86,18 @@ class ParallelAttention(nn.Module):
                                                   tp_replicas=max(tp // groups, 1), **kw)
         self.dense = RowParallelLinear(num_attention_heads * d, hidden_size, bias=output_bias,
                                        input_is_parallel=True, init_method=output_init_method,
-                                       group=group, params_dtype=params_dtype, device=device)
+                                       group=group, params_dtype=params_dtype, device=device,
+                                       sequence_parallel=sequence_parallel)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [s, b, h] -> q [b, heads/tp, s, d], k, v [b, local groups, s, d]."""
-        s, b, _ = x.shape
+        """x [s, b, h] (sequence parallel: [s/t, b, h]) -> q [b, heads/tp, s, d],
+        k, v [b, local groups, s, d]."""
         if self.fused_qkv:
             qkv, _ = self.query_key_value(x)
             return _SplitQKV.apply(qkv, self.heads_per_rank, self.head_dim)
         q, _ = self.query(x)
         kv, _ = self.key_value(x)
+        s, b = q.shape[:2]
         q = q.view(s, b, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
         k, v = kv.view(s, b, self.groups_per_rank, 2, self.head_dim).permute(3, 1, 2, 0, 4)
         return q, k, v
@@ -90,6 +105,11 @@ class ParallelAttention(nn.Module):
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        attention_mask: torch.Tensor | None) -> torch.Tensor:
         """q [b, heads/tp, s, d], k, v [b, groups/tp, s, d] -> [b, heads/tp, s, d]."""
+        if comm.world_size(self.cp_group) > 1:
+            if attention_mask is not None:
+                raise ValueError("context parallelism supports no attention mask other than "
+                                 "causal")
+            return ring_attention(q, k, v, self.causal, self.cp_group)
         dropout = self.attention_dropout if self.training else 0.0
         causal = self.causal and attention_mask is None
         mask = attention_mask
@@ -109,8 +129,8 @@ class ParallelAttention(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 recompute_core: bool = False) -> torch.Tensor:
-        s, b, _ = x.shape
         q, k, v = self._project(x)
+        b, s = q.shape[0], q.shape[2]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if recompute_core:

@@ -8,7 +8,8 @@ parameters carry `tensor_model_parallel = True`, `partition_dim`, `partition_str
 `tp_replicas` (consecutive TP ranks holding the same shard: GQA with fewer KV groups than
 TP ranks); replicated ones carry `tensor_model_parallel = False`. A parameter whose copies
 each see only part of its gradient carries `tp_grad_partial = True`
-(see `allreduce_tp_partial_grads`).
+(see `allreduce_tp_partial_grads`): with sequence parallelism that includes every
+replicated parameter applied to s/t tokens (norm weights, the row-parallel bias).
 """
 import math
 from collections.abc import Callable
@@ -19,8 +20,10 @@ from torch import nn
 
 from megalite.mpu import comm, parallel_state
 from megalite.mpu.mappings import (copy_to_tensor_model_parallel_region,
+                                   gather_from_sequence_parallel_region,
                                    gather_from_tensor_model_parallel_region,
                                    reduce_from_tensor_model_parallel_region,
+                                   reduce_scatter_to_sequence_parallel_region,
                                    scatter_to_tensor_model_parallel_region)
 from megalite.mpu.weight_grad import linear
 
@@ -102,15 +105,19 @@ class ColumnParallelLinear(nn.Module):
     `tp_replicas` > 1: groups of that many consecutive TP ranks hold the same out/(tp/replicas)
     slice (GQA's KV groups when TP > groups); their weight grads are partial sums, added up by
     `allreduce_tp_partial_grads`. gather_output needs tp_replicas = 1.
+    `sequence_parallel`: x is this rank's [s/t, b, in]; it is all-gathered along s on the TP
+    group (backward: reduce-scatter) instead of the grad all-reduce.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
                  gather_output: bool = False, init_method: InitMethod | None = None,
                  skip_bias_add: bool = False, group=None, params_dtype: torch.dtype = torch.float32,
-                 device=None, stride: int = 1, tp_replicas: int = 1) -> None:
+                 device=None, stride: int = 1, tp_replicas: int = 1,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, size, rank = _group_info(group)
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel and size > 1
         if size % tp_replicas:
             raise ValueError(f"tp_replicas ({tp_replicas}) must divide the tensor-parallel size "
                              f"({size})")
@@ -127,7 +134,10 @@ class ColumnParallelLinear(nn.Module):
             param.tp_grad_partial = tp_replicas > 1 and size > 1
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = copy_to_tensor_model_parallel_region(x, self.group)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.group)
         bias = None if self.skip_bias_add else self.bias
         y = linear(x, self.weight, bias)
         if self.gather_output:
@@ -140,25 +150,34 @@ class RowParallelLinear(nn.Module):
 
     forward(x [..., in/tp] if input_is_parallel else [..., in]) -> (y [..., out], bias or None).
     Partial products are all-reduced on the TP group; the bias is added once, after.
+    `sequence_parallel`: they are reduce-scattered along s instead (-> [s/t, b, out]); the
+    bias then sees only s/t tokens per rank, so its grad is marked `tp_grad_partial`.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
                  input_is_parallel: bool = False, init_method: InitMethod | None = None,
                  skip_bias_add: bool = False, group=None, params_dtype: torch.dtype = torch.float32,
-                 device=None) -> None:
+                 device=None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, size, rank = _group_info(group)
+        self.sequence_parallel = sequence_parallel and size > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.input_size_per_partition = _divide(input_size, size, "input_size")
         init_method = init_method or init_method_normal(0.02)
         self.weight = _sharded_parameter((output_size, input_size), 1, size, rank, init_method,
                                          params_dtype, device)
         self.bias = _bias(output_size, params_dtype, device, False) if bias else None
+        if self.bias is not None:
+            self.bias.tp_grad_partial = self.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
-        y = reduce_from_tensor_model_parallel_region(linear(x, self.weight), self.group)
+        reduce = reduce_scatter_to_sequence_parallel_region if self.sequence_parallel \
+            else reduce_from_tensor_model_parallel_region
+        y = reduce(linear(x, self.weight), self.group)
         if self.skip_bias_add or self.bias is None:
             return y, self.bias
         return y + self.bias, None
@@ -208,9 +227,13 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(out, self.group)
 
-    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied output layer: hidden [..., h] -> vocab-parallel logits [..., V_padded/tp]."""
-        hidden = copy_to_tensor_model_parallel_region(hidden, self.group)
+    def lm_logits(self, hidden: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        """Output layer: hidden [s, b, h] -> vocab-parallel logits [s, b, V_padded/tp].
+        `sequence_parallel`: hidden is [s/t, b, h], all-gathered along s on the TP group."""
+        if sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.group)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(hidden, self.group)
         logits = linear(hidden, self.weight)
         if not self.num_padding_rows:
             return logits

@@ -10,7 +10,8 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
 class ParallelMLP(nn.Module):
     """h -> ffn/tp (column-parallel) -> activation -> h (row-parallel, one all-reduce on the
-    TP group). [s, b, h] -> [s, b, h].
+    TP group). [s, b, h] -> [s, b, h]; with `sequence_parallel` [s/t, b, h] in and out
+    (all-gather before, reduce-scatter after, on the TP group).
 
     SwiGLU: the first projection is [gate; up] (2 ffn outputs, each split over TP, so every
     rank holds matching halves) and the activation is silu(gate) * up.
@@ -19,13 +20,15 @@ class ParallelMLP(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu_tanh",
                  bias: bool = True, init_method: InitMethod | None = None,
                  output_init_method: InitMethod | None = None, group=None,
-                 params_dtype: torch.dtype = torch.float32, device=None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device=None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
         self.activation = activation
         gated = activation == "swiglu"
-        kw = dict(bias=bias, group=group, params_dtype=params_dtype, device=device)
+        kw = dict(bias=bias, group=group, params_dtype=params_dtype, device=device,
+                  sequence_parallel=sequence_parallel)
         self.dense_h_to_4h = ColumnParallelLinear(
             hidden_size, 2 * ffn_hidden_size if gated else ffn_hidden_size,
             init_method=init_method, stride=2 if gated else 1, **kw)

@@ -1,10 +1,13 @@
-"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+"""Process groups for tensor (TP), context (CP), pipeline (PP) and data (DP) parallelism.
 
-Ranks are laid out TP fastest, then DP, then PP (Megatron's "tp-dp-pp"):
-rank = tp_rank + TP * (dp_rank + DP * pp_rank). The embedding group holds the first
-and last stage of each pipeline group (the tied word embedding lives on both).
+Ranks are laid out TP fastest, then CP, then DP, then PP (Megatron's "tp-cp-dp-pp"):
+rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank)). The embedding group
+holds the first and last stage of each pipeline group (the tied word embedding lives on
+both). Parameters are replicated over DP and CP, so their grads are reduced over the
+DP x CP group (`get_data_parallel_group(with_context_parallel=True)`).
 """
 import datetime
+import itertools
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -15,35 +18,58 @@ from megalite.schedules.tables import Placement
 
 @dataclass(frozen=True)
 class GridLayout:
-    """The rank lists of every group for a world of `tp * pp * dp` ranks (pure data)."""
+    """The rank lists of every group for a world of `tp * cp * dp * pp` ranks (pure data)."""
 
     tp: int
     pp: int
     dp: int
+    cp: int = 1
 
-    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, dp_rank, pp_rank) of a global rank."""
-        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+        rest = rank // (self.tp * self.cp)
+        return rank % self.tp, rest % self.dp, rest // self.dp
+
+    def cp_rank(self, rank: int) -> int:
+        return (rank // self.tp) % self.cp
+
+    def _groups(self, vary: str) -> list[list[int]]:
+        """One rank list per setting of the other axes, varying the axes in `vary` (letters of
+        'tcdp'), in rank order."""
+        sizes = {"t": self.tp, "c": self.cp, "d": self.dp, "p": self.pp}
+        fixed = [a for a in "tcdp" if a not in vary]
+        groups = []
+        for outer in itertools.product(*(range(sizes[a]) for a in reversed(fixed))):
+            coord = dict(zip(reversed(fixed), outer))
+            ranks = []
+            for inner in itertools.product(*(range(sizes[a]) for a in reversed(vary))):
+                coord.update(zip(reversed(vary), inner))
+                ranks.append(self.rank(coord["t"], coord["d"], coord["p"], coord["c"]))
+            groups.append(sorted(ranks))
+        return groups
 
     def tensor_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for t in range(self.tp)]
-                for p in range(self.pp) for d in range(self.dp)]
+        return self._groups("t")
+
+    def context_groups(self) -> list[list[int]]:
+        return self._groups("c")
 
     def data_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for d in range(self.dp)]
-                for p in range(self.pp) for t in range(self.tp)]
+        return self._groups("d")
+
+    def data_context_groups(self) -> list[list[int]]:
+        """DP x CP ranks holding the same parameters (grads reduced over them)."""
+        return self._groups("cd")
 
     def pipeline_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for p in range(self.pp)]
-                for d in range(self.dp) for t in range(self.tp)]
+        return self._groups("p")
 
     def model_groups(self) -> list[list[int]]:
-        """TP x PP ranks sharing one model replica (one per DP rank)."""
-        return [[self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)]
-                for d in range(self.dp)]
+        """TP x PP ranks sharing one model replica (one per DP and CP rank)."""
+        return self._groups("tp")
 
     def embedding_groups(self) -> list[list[int]]:
         return [sorted({g[0], g[-1]}) for g in self.pipeline_groups()]
@@ -51,27 +77,32 @@ class GridLayout:
 
 def validate_sizes(world_size: int, tensor_model_parallel_size: int,
                    pipeline_model_parallel_size: int,
-                   virtual_pipeline_model_parallel_size: int | None) -> int:
+                   virtual_pipeline_model_parallel_size: int | None,
+                   context_parallel_size: int = 1) -> int:
     """Check the requested layout; return the data-parallel size. Raises ValueError (one line)."""
     tp, pp, vpp = tensor_model_parallel_size, pipeline_model_parallel_size, \
         virtual_pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ValueError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size "
-                         f"({pp}) must be >= 1")
-    if world_size % (tp * pp):
-        raise ValueError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline "
-                         f"({pp}) parallel size = {tp * pp}")
+    cp = context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ValueError(f"--tensor-model-parallel-size ({tp}), --pipeline-model-parallel-size "
+                         f"({pp}) and --context-parallel-size ({cp}) must be >= 1")
+    if world_size % (tp * cp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by tensor ({tp}) x context "
+                         f"({cp}) x pipeline ({pp}) parallel size = {tp * cp * pp}")
     if vpp is not None and (vpp < 1 or pp < 2):
         raise ValueError(f"--virtual-pipeline-model-parallel-size ({vpp}) needs "
                          f"--pipeline-model-parallel-size > 1 and a value >= 1 (got pp={pp})")
-    return world_size // (tp * pp)
+    return world_size // (tp * cp * pp)
 
 
 class _State:
     layout: GridLayout | None = None
     tp_group = dp_group = pp_group = model_group = embedding_group = None
+    cp_group = dp_cp_group = None
     tp_ranks: list[int] = []
     dp_ranks: list[int] = []
+    cp_ranks: list[int] = []
+    dp_cp_ranks: list[int] = []
     pp_ranks: list[int] = []
     embedding_ranks: list[int] = []
     virtual_size: int | None = None
@@ -95,9 +126,10 @@ def _new_groups(rank_lists: list[list[int]], my_rank: int, timeout: datetime.tim
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
+                              context_parallel_size: int = 1,
                               v_shape_placement: bool = False,
                               timeout_s: float | None = None) -> None:
-    """Build the TP/PP/DP/model/embedding groups on the default process group.
+    """Build the TP/CP/DP/DPxCP/PP/model/embedding groups on the default process group.
 
     v_shape_placement: the two chunks of pipeline rank r hold stages r and 2p-1-r (the zbv
     schedule; needs virtual_pipeline_model_parallel_size 2) instead of r and p + r.
@@ -110,12 +142,15 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                            "(call megalite.device.init_distributed first)")
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = validate_sizes(world, tensor_model_parallel_size, pipeline_model_parallel_size,
-                        virtual_pipeline_model_parallel_size)
-    layout = GridLayout(tensor_model_parallel_size, pipeline_model_parallel_size, dp)
+                        virtual_pipeline_model_parallel_size, context_parallel_size)
+    layout = GridLayout(tensor_model_parallel_size, pipeline_model_parallel_size, dp,
+                        context_parallel_size)
     _S.layout = layout
     timeout = process_group_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     _S.tp_group, _S.tp_ranks = _new_groups(layout.tensor_groups(), rank, timeout)
     _S.dp_group, _S.dp_ranks = _new_groups(layout.data_groups(), rank, timeout)
+    _S.cp_group, _S.cp_ranks = _new_groups(layout.context_groups(), rank, timeout)
+    _S.dp_cp_group, _S.dp_cp_ranks = _new_groups(layout.data_context_groups(), rank, timeout)
     _S.pp_group, _S.pp_ranks = _new_groups(layout.pipeline_groups(), rank, timeout)
     _S.model_group, _ = _new_groups(layout.model_groups(), rank, timeout)
     _S.embedding_group, _S.embedding_ranks = _new_groups(layout.embedding_groups(), rank, timeout)
@@ -133,7 +168,8 @@ def model_parallel_is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     """Forget every group so a test can initialise another layout."""
-    for name in ("tp_group", "dp_group", "pp_group", "model_group", "embedding_group"):
+    for name in ("tp_group", "dp_group", "pp_group", "model_group", "embedding_group",
+                 "cp_group", "dp_cp_group"):
         group = getattr(_S, name)
         if group is not None and dist.is_initialized():
             dist.destroy_process_group(group)
@@ -166,8 +202,14 @@ def get_pipeline_model_parallel_group():
     return _group("pp_group")
 
 
-def get_data_parallel_group():
-    return _group("dp_group")
+def get_data_parallel_group(with_context_parallel: bool = False):
+    """DP ranks; with_context_parallel: DP x CP ranks (where parameter grads are reduced)."""
+    return _group("dp_cp_group" if with_context_parallel else "dp_group")
+
+
+def get_context_parallel_group():
+    """The CP ranks that hold the other chunks of the same sequences (the ring)."""
+    return _group("cp_group")
 
 
 def get_model_parallel_group():
@@ -192,8 +234,22 @@ def get_pipeline_model_parallel_world_size() -> int:
     return _layout().pp if _S.layout else 1
 
 
-def get_data_parallel_world_size() -> int:
-    return _layout().dp if _S.layout else 1
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    if not _S.layout:
+        return 1
+    return _S.layout.dp * (_S.layout.cp if with_context_parallel else 1)
+
+
+def get_context_parallel_world_size() -> int:
+    return _layout().cp if _S.layout else 1
+
+
+def get_context_parallel_rank() -> int:
+    return _layout().cp_rank(dist.get_rank()) if _S.layout else 0
+
+
+def get_context_parallel_ranks() -> list[int]:
+    return list(_S.cp_ranks)
 
 
 def _coords() -> tuple[int, int, int]:
@@ -204,7 +260,10 @@ def get_tensor_model_parallel_rank() -> int:
     return _coords()[0]
 
 
-def get_data_parallel_rank() -> int:
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    if with_context_parallel:
+        return get_data_parallel_rank() * get_context_parallel_world_size() \
+            + get_context_parallel_rank()
     return _coords()[1]
 
 

@@ -202,6 +202,13 @@ def share_losses(losses: list[LossDict], num_microbatches: int,
     return [dict(zip(keys, row.unbind(0))) for row in values]
 
 
+def _sequence_split(model: nn.Module) -> int:
+    """Ranks one sequence is split over between stages: CP, times TP with sequence parallelism."""
+    tp = parallel_state.get_tensor_model_parallel_world_size() \
+        if getattr(model, "sequence_parallel", False) else 1
+    return tp * parallel_state.get_context_parallel_world_size()
+
+
 def forward_backward(*, schedule: str, forward_step_func: Callable,
                      data_iterator: Iterator | list | None, model: nn.Module | list[nn.Module],
                      num_microbatches: int, seq_length: int, micro_batch_size: int,
@@ -210,7 +217,8 @@ def forward_backward(*, schedule: str, forward_step_func: Callable,
 
     model: this rank's chunk, or its list of v chunks (interleaved, zbv). data_iterator: one
     iterator (tee'd across chunks) or a list of one per chunk. Inter-stage tensors are
-    [seq_length, micro_batch_size, hidden_size] in the model's parameter dtype.
+    [seq_length, micro_batch_size, hidden_size] in the model's parameter dtype (seq_length
+    divided by CP, and by TP when the model is sequence parallel).
     forward_only runs the forwards under no_grad (evaluation). Returns the per-microbatch
     loss dicts of the last stage on EVERY pipeline rank (`share_losses`), as float32 scalars
     when PP > 1. Invalid (p, m, v) raise the tables' ValueError before any communication.
@@ -223,7 +231,8 @@ def forward_backward(*, schedule: str, forward_step_func: Callable,
     if len(chunks) != v:
         raise ValueError(f"model: expected {v} model chunk(s) on this rank, got {len(chunks)}")
     param = next(chunks[0].parameters())
-    shape = (seq_length, micro_batch_size, unwrap(chunks[0]).config.hidden_size)
+    shape = (seq_length // _sequence_split(unwrap(chunks[0])), micro_batch_size,
+             unwrap(chunks[0]).config.hidden_size)
     run = _Run(forward_step_func, _chunk_iterators(data_iterator, v), chunks, num_microbatches,
                Channel(shape, param.dtype, param.device), forward_only, loss_scale,
                placement(schedule, p, v))

@@ -1,0 +1,149 @@
+"""Ring attention over the context-parallel group, load-balanced for causal masks.
+
+Each CP rank holds q, k, v for its two chunks (r and 2 cp - 1 - r, see
+megalite.mpu.context_parallel). In cp steps the K/V blocks travel around the ring (one
+batched send to the next rank and receive from the previous, posted before the step's
+block is computed, waited for after); partial results are merged with the log-sum-exp
+rule. Backward recomputes each block's probabilities from the saved log-sum-exp and
+passes dK/dV around the ring with the K/V they belong to; a last send returns them home.
+
+Which (q rows, kv rows, mask) a step computes is data (`block_plan`): with a causal mask,
+step 0 is the causal local block, a block from an earlier rank is seen whole by all local
+rows against its first chunk, a block from a later rank only by the second local chunk -
+so every rank computes the same number of scores. `attention_work` counts them.
+"""
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from megalite.mpu import comm
+
+attention_work: Counter = Counter()  # q x k scores computed in forward, per CP rank
+
+
+@dataclass(frozen=True)
+class Block:
+    """Local q rows and remote kv rows one step computes (slices of the two chunks)."""
+
+    q: slice
+    kv: slice
+    causal: bool
+
+
+def block_plan(cp: int, rank: int, local: int, causal: bool) -> list[Block]:
+    """The block of each of the cp steps of rank `rank` (step i: the kv of rank rank - i),
+    for `local` = s / cp tokens per rank."""
+    half, whole = local // 2, slice(0, local)
+    plan = []
+    for step in range(cp):
+        source = (rank - step) % cp
+        if not causal:
+            plan.append(Block(whole, whole, False))
+        elif step == 0:
+            plan.append(Block(whole, whole, True))
+        elif source < rank:  # its first chunk precedes both of mine, its second follows both
+            plan.append(Block(whole, slice(0, half), False))
+        else:  # both of its chunks lie between my first and my second chunk
+            plan.append(Block(slice(half, local), whole, False))
+    return plan
+
+
+def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """[b, heads, sq, sk] fp32 scaled scores, -inf above the diagonal when causal."""
+    scores = torch.matmul(q.float(), _repeat(k, q.shape[1]).float().transpose(-1, -2)) * scale
+    if causal:
+        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool,
+                                       device=q.device).triu(1), float("-inf"))
+    return scores
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """[b, heads, s, d] -> [b, groups, s, d]: sum the heads that share a KV group."""
+    b, heads, s, d = grad.shape
+    return grad.view(b, groups, heads // groups, s, d).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, group):
+        cp, rank = comm.world_size(group), torch.distributed.get_rank(group)
+        ranks = torch.distributed.get_process_group_ranks(group)
+        nxt, prev = ranks[(rank + 1) % cp], ranks[(rank - 1) % cp]
+        scale = q.shape[-1] ** -0.5
+        plan = block_plan(cp, rank, q.shape[2], causal)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for step, block in enumerate(plan):
+            incoming = torch.empty_like(kv)
+            works = comm.batch_send_recv([("send", kv, nxt), ("recv", incoming, prev)], group) \
+                if step < cp - 1 else []
+            scores = _scores(q[:, :, block.q], kv[0][:, :, block.kv], scale, causal=block.causal)
+            attention_work[rank] += scores.shape[-2] * scores.shape[-1]
+            block_lse = scores.logsumexp(-1)
+            block_out = torch.matmul(torch.exp(scores - block_lse.unsqueeze(-1)),
+                                     _repeat(kv[1][:, :, block.kv], q.shape[1]).float())
+            new_lse = torch.logaddexp(lse[:, :, block.q], block_lse)
+            out[:, :, block.q] = (out[:, :, block.q] * (lse[:, :, block.q] - new_lse).exp()
+                                  .unsqueeze(-1)
+                                  + block_out * (block_lse - new_lse).exp().unsqueeze(-1))
+            lse[:, :, block.q] = new_lse
+            for work in works:
+                work.wait()
+            kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.group, ctx.peers, ctx.scale = causal, group, (nxt, prev), scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, (nxt, prev), scale = ctx.group, ctx.peers, ctx.scale
+        cp, rank = comm.world_size(group), torch.distributed.get_rank(group)
+        dout = dout.float()
+        delta = (dout * out).sum(-1)  # [b, heads, sq]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        total = None  # dK/dV of the block computed in the previous step, summed so far
+        for step, block in enumerate(block_plan(cp, rank, q.shape[2], ctx.causal)):
+            incoming, partial = torch.empty_like(kv), None
+            ops = [("send", kv, nxt), ("recv", incoming, prev)] if step < cp - 1 else []
+            if step > 0:
+                partial = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+                ops += [("send", total, nxt), ("recv", partial, prev)]
+            works = comm.batch_send_recv(ops, group) if ops else []
+            qb, kb, vb = q[:, :, block.q], kv[0][:, :, block.kv], kv[1][:, :, block.kv]
+            probs = torch.exp(_scores(qb, kb, scale, block.causal)
+                              - lse[:, :, block.q].unsqueeze(-1))
+            dout_b = dout[:, :, block.q]
+            dprobs = torch.matmul(dout_b, _repeat(vb, q.shape[1]).float().transpose(-1, -2))
+            dscores = probs * (dprobs - delta[:, :, block.q].unsqueeze(-1)) * scale
+            dq[:, :, block.q] += torch.matmul(dscores, _repeat(kb, q.shape[1]).float())
+            contribution = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            contribution[0][:, :, block.kv] = _fold(
+                torch.matmul(dscores.transpose(-1, -2), qb.float()), k.shape[1])
+            contribution[1][:, :, block.kv] = _fold(
+                torch.matmul(probs.transpose(-1, -2), dout_b), k.shape[1])
+            for work in works:
+                work.wait()
+            total = contribution if partial is None else partial + contribution
+            kv = incoming
+        if cp > 1:  # the last block's dK/dV belong to the next rank; mine arrive from the previous
+            home = torch.empty_like(total)
+            for work in comm.batch_send_recv([("send", total, nxt), ("recv", home, prev)], group):
+                work.wait()
+            total = home
+        return dq.to(q.dtype), total[0].to(k.dtype), total[1].to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   group) -> torch.Tensor:
+    """Softmax attention of this CP rank's q [b, heads, s/cp, d] over the whole sequence's
+    k, v [b, groups, s/cp, d] per rank (ring on the CP `group`) -> [b, heads, s/cp, d].
+    Scale 1/sqrt(d) as SDPA; heads/groups query heads share a KV group."""
+    return _RingAttention.apply(q, k, v, causal, group)

@@ -1,0 +1,74 @@
+"""One training step of a tiny GPT-family model on any TP x CP x DP x PP (x VPP) layout, through
+the real path: build_model_chunks, DistributedDataParallel, the pipeline schedule,
+pretrain_gpt.forward_step (CP slicing) and loss_func, finalize_model_grads.
+
+"""
+import dataclasses
+
+import torch
+
+import pretrain_gpt
+from megalite.config import ModelConfig
+from megalite.distributed import DistributedDataParallel
+from megalite.models import GPTModel
+from megalite.models.stage import build_model_chunks, finalize_model_grads, sync_shared_embedding
+from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
+from megalite.mpu import parallel_state as ps
+from megalite.mpu.layers import gather_tensor_parallel
+from megalite.schedules import get_forward_backward_func
+
+SEED, MICRO, MICROBATCHES, SEQ, VOCAB = 1234, 2, 2, 16, 97
+
+GPT2 = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                   max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
+LLAMA = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                    max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
+                    normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                    ffn_hidden_size=64, group_query_attention=True, num_query_groups=2,
+                    disable_bias_linear=True, untie_embeddings_and_output_weights=True)
+
+
+def with_(config: ModelConfig, **changes) -> ModelConfig:
+    return dataclasses.replace(config, **changes)
+
+
+def global_batch(dp: int, vocab: int = VOCAB) -> torch.Tensor:
+    """[dp * m * micro, SEQ + 1] tokens, the same on every rank."""
+    return torch.randint(0, vocab, (dp * MICROBATCHES * MICRO, SEQ + 1),
+                         generator=torch.Generator().manual_seed(7))
+
+
+def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
+                  vpp: int | None = None, load=None) -> dict:
+    """Mean loss over all tokens of the global batch, the grads of this rank's parameters
+    (full over TP, by name), and whether the TP-partial replicated grads agree over TP.
+    `load(chunks)` fills the weights (default: megalite's seeded init)."""
+    initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp)
+    model_parallel_seed(SEED, ps.get_tensor_model_parallel_rank(),
+                        ps.get_pipeline_model_parallel_rank())
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    chunks = build_model_chunks(lambda pre_process, post_process: GPTModel(
+        config, pre_process, post_process, init_seed=SEED, sequence_parallel=sp))
+    if load is not None:
+        load(chunks)
+    sync_shared_embedding(chunks)
+    model = [DistributedDataParallel(chunk) for chunk in chunks]
+    rows = global_batch(dp, config.vocab_size).split(MICROBATCHES * MICRO)[dp_rank]
+    batches = [{"tokens": t} for t in rows.split(MICRO)]
+    losses = get_forward_backward_func()(
+        forward_step_func=pretrain_gpt.forward_step, data_iterator=iter(batches),
+        model=model if len(model) > 1 else model[0], num_microbatches=MICROBATCHES,
+        seq_length=SEQ, micro_batch_size=MICRO)
+    finalize_model_grads(model)
+    loss = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1)
+    comm.all_reduce(loss, ps.get_data_parallel_group(with_context_parallel=True))
+    loss /= ps.get_data_parallel_world_size(with_context_parallel=True)
+    grads, partial_agree = {}, True
+    for chunk in model:
+        for name, param in chunk.module.named_parameters():
+            grads[name] = gather_tensor_parallel(param.main_grad, param)
+            if getattr(param, "tp_grad_partial", False) and not param.tensor_model_parallel:
+                copies = comm.all_gather_stacked(param.main_grad,
+                                                 ps.get_tensor_model_parallel_group())
+                partial_agree &= bool((copies == copies[0]).all())
+    return {"loss": loss.item(), "grads": grads, "tp partial grads agree": partial_agree}
