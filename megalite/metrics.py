@@ -5,22 +5,21 @@ import sys
 import torch
 
 from megalite.config import ModelConfig
+from megalite.models.spec import TransformerSpec
 
 
 def flops_per_iteration(config: ModelConfig, global_batch: int, seq_length: int,
                         padded_vocab: int) -> float:
-    """Megatron-LM's training FLOPs per iteration (Narayanan et al. 2021, appendix):
-
-    72 B s L h^2 (1 + s/(6h) + V/(12 L h)), and 96 B s L h^2 (1 + s/(6h) + V/(16 L h)) with
-    full recompute (one more forward). Assumes an MLP of 4h; other widths are scaled in.
+    """Megatron-LM's training FLOPs per iteration (Narayanan et al. 2021, appendix), from the
+    model's spec so GQA's smaller K/V, SwiGLU's third matrix and other widths count:
+    3 x forward (4 x for the layers with full recompute). For GPT-2 shapes this is
+    72 B s L h^2 (1 + s/(6h) + V/(12 L h)), and 96 B s L h^2 (1 + s/(6h) + V/(16 L h)).
     """
-    b, s, layers, h, v = global_batch, seq_length, config.num_layers, config.hidden_size, \
-        padded_vocab
-    mlp = config.ffn_hidden_size / (4 * h)  # 1 for GPT-2 shapes
-    dense = (4 + 8 * mlp) / 12  # attention projections 4h^2 + MLP 8h^2 per token, vs 12h^2
-    if config.recompute_granularity == "full":
-        return 96 * b * s * layers * h * h * (dense + s / (6 * h) + v / (16 * layers * h))
-    return 72 * b * s * layers * h * h * (dense + s / (6 * h) + v / (12 * layers * h))
+    spec = TransformerSpec.from_config(config)
+    layer_passes = 4 if config.recompute_granularity == "full" else 3
+    per_token = (layer_passes * config.num_layers * spec.layer_forward_flops(seq_length)
+                 + 3 * spec.output_forward_flops(padded_vocab))
+    return global_batch * seq_length * per_token
 
 
 def peak_memory_mb(device: torch.device) -> float:

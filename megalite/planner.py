@@ -16,6 +16,7 @@ from fractions import Fraction
 
 from megalite.config import Configs, ModelConfig
 from megalite.metrics import flops_per_iteration
+from megalite.models.spec import TransformerSpec
 from megalite.mpu.layers import pad_vocab_size
 
 # Megatron's bytes per parameter: (parameters, gradients, optimizer states); the distributed
@@ -49,22 +50,23 @@ def state_bytes_per_param(precision: str, distributed_optimizer: bool, dp: int) 
 
 
 def layer_params(model: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank: QKV, projection and MLP weights and
-    their split biases, plus the replicated projection/MLP-output biases and two LayerNorms."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    return (4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h
+    """Parameters of one transformer layer on one TP rank (megalite.models.spec)."""
+    return TransformerSpec.from_config(model).layer_params(tp)
 
 
 def stage_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int) -> int:
-    """Parameters on pipeline rank `rank` (all its chunks): its L/p layers, the word and
-    position embeddings on the first rank, the final LayerNorm and (p > 1) the tied
-    word-embedding copy on the last."""
-    count = model.num_layers // pp * layer_params(model, tp)
-    word = padded_vocab * model.hidden_size // tp
+    """Parameters on pipeline rank `rank` (all its chunks): its L/p layers, the word (and
+    learned position) embeddings on the first rank, the final norm and the output layer on
+    the last (the tied word-embedding copy only when p > 1)."""
+    spec = TransformerSpec.from_config(model)
+    count = model.num_layers // pp * spec.layer_params(tp)
+    h = model.hidden_size
+    word = padded_vocab * h // tp
     if rank == 0:
-        count += word + model.max_position_embeddings * model.hidden_size
+        count += word + (model.max_position_embeddings * h
+                         if spec.position_embedding == "learned_absolute" else 0)
     if rank == pp - 1:
-        count += 2 * model.hidden_size + (word if pp > 1 else 0)
+        count += spec.norm_params(h) + (word if pp > 1 or not spec.tie_output else 0)
     return count
 
 
@@ -148,9 +150,9 @@ class Plan:
 
     @property
     def total_params(self) -> int:
-        model, h = self.configs.model, self.configs.model.hidden_size
-        return (model.num_layers * layer_params(model, 1) + self.padded_vocab * h
-                + model.max_position_embeddings * h + 2 * h)
+        model = self.configs.model
+        return (model.num_layers * layer_params(model, 1) + TransformerSpec.from_config(
+            model).non_layer_params(self.padded_vocab, model.max_position_embeddings))
 
     @property
     def flops(self) -> float:
@@ -198,7 +200,7 @@ class Plan:
             out["DP param all-gather"] = ("all_gather", params * e / self.dp, self.dp)
         elif self.dp > 1:
             out["DP grad all-reduce"] = ("all_reduce", params * grad_bytes, self.dp)
-        if pp > 1:
+        if pp > 1 and not model.untie_embeddings_and_output_weights:
             word = self.padded_vocab * model.hidden_size // tp
             out["tied embedding grad all-reduce"] = ("all_reduce", word * grad_bytes, 2)
         return out

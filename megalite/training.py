@@ -24,6 +24,7 @@ from megalite.models.stage import (build_model_chunks, finalize_model_grads,
                                    sync_shared_embedding)
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
+from megalite.mpu.attention import check_attention_partition
 from megalite.mpu.layers import pad_vocab_size
 from megalite.optimizer import get_optimizer
 from megalite.optimizer.scheduler import check_decay_iters
@@ -60,11 +61,10 @@ def validate_configs(configs: Configs, world_size: int) -> RunShape:
     if m.num_layers % chunks:
         raise ValueError(f"--num-layers ({m.num_layers}) must be divisible by --pp x --vpp "
                          f"({chunks})")
-    for name, value in (("--num-attention-heads", m.num_attention_heads),
-                        ("--ffn-hidden-size", m.ffn_hidden_size)):
-        if value % p.tensor_model_parallel_size:
-            raise ValueError(f"{name} ({value}) must be divisible by --tp "
-                             f"({p.tensor_model_parallel_size})")
+    check_attention_partition(m.num_attention_heads, m.query_groups, p.tensor_model_parallel_size)
+    if m.ffn_hidden_size % p.tensor_model_parallel_size:
+        raise ValueError(f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by --tp "
+                         f"({p.tensor_model_parallel_size})")
     if t.seq_length > m.max_position_embeddings:
         raise ValueError(f"--seq-length ({t.seq_length}) exceeds --max-position-embeddings "
                          f"({m.max_position_embeddings})")

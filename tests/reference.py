@@ -25,3 +25,41 @@ def hf_token_loss(hf_model, tokens: torch.Tensor) -> torch.Tensor:
     logits = hf_model(input_ids=tokens[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              tokens[:, 1:].reshape(-1))
+
+
+def hf_parity_errors(model, hf_model, to_hf_names, tokens: torch.Tensor, vocab: int,
+                     steps: int = 3) -> dict:
+    """Relative errors of a megalite GPTModel (this rank's TP shard) vs a HF causal LM with
+    the same weights on tokens [b, s + 1]: logits, loss, every gradient (gathered over TP,
+    renamed by `to_hf_names(full megalite dict)`), then the losses after `steps` AdamW steps
+    on both."""
+    from megalite.models.stage import finalize_model_grads
+    from megalite.mpu.layers import gather_tensor_parallel
+    from megalite.mpu.mappings import gather_from_tensor_model_parallel_region
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    logits = gather_from_tensor_model_parallel_region(model(inputs))[..., :vocab]
+    errors = {"logits": rel_err(logits, hf_model(input_ids=inputs).logits)}
+
+    def backward_both() -> tuple[torch.Tensor, torch.Tensor]:
+        loss, ref_loss = model(inputs, labels).mean(), hf_token_loss(hf_model, tokens)
+        loss.backward()
+        ref_loss.backward()
+        finalize_model_grads([model])
+        return loss, ref_loss
+
+    loss, ref_loss = backward_both()
+    errors["loss"] = rel_err(loss, ref_loss)
+    ours = to_hf_names({n: gather_tensor_parallel(p.grad, p) for n, p in model.named_parameters()})
+    ref_grads = {n: p.grad for n, p in hf_model.named_parameters()}
+    errors["missing grads"] = sorted(set(ref_grads) - set(ours))
+    errors["grad"] = max(rel_err(ours[n], g) for n, g in ref_grads.items() if n in ours)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(hf_model.parameters(), lr=1e-3, weight_decay=0.01)
+    errors["steps"] = []
+    for _ in range(steps):
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        errors["steps"].append(rel_err(*backward_both()))
+    return errors

@@ -4,6 +4,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megalite import checkpointing
@@ -14,6 +15,7 @@ from megalite.training import build_model, setup_parallel
 from tests.gpt_run import make_dataset, tiny_args
 from tests.multirank import run_on_ranks
 from tests.reference import tiny_gpt2
+from tests.test_llama_hf_parity import tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,16 +40,22 @@ def _load_and_save_sharded(src: str, dst: str) -> None:
     checkpointing.save_checkpoint(dst, 1, model, optimizer, scheduler, 0, configs.model)
 
 
-def test_hf_to_megalite_tp2_pp2_to_hf_gives_identical_logits(tmp_path):
-    from transformers import GPT2LMHeadModel
-    hf = tiny_gpt2(vocab=203, layers=4).eval()
+@pytest.mark.parametrize("model_type", ["gpt", "llama"])
+def test_hf_to_megalite_tp2_pp2_to_hf_gives_identical_logits(tmp_path, model_type):
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    if model_type == "gpt":
+        hf, hf_class = tiny_gpt2(vocab=203, layers=4).eval(), GPT2LMHeadModel
+    else:  # GQA with 2 groups, untied head
+        hf = tiny_llama(num_hidden_layers=4, num_key_value_heads=2).eval()
+        hf_class = LlamaForCausalLM
     hf.save_pretrained(tmp_path / "hf")
-    convert("--direction", "hf-to-megalite", "--input", str(tmp_path / "hf"), "--output",
-            str(tmp_path / "ml"), "--target-tp", "2", "--target-pp", "2")
+    convert("--direction", "hf-to-megalite", "--model-type", model_type, "--input",
+            str(tmp_path / "hf"), "--output", str(tmp_path / "ml"), "--target-tp", "2",
+            "--target-pp", "2")
     run_on_ranks(4, _load_and_save_sharded, str(tmp_path / "ml"), str(tmp_path / "ml2"))
-    convert("--direction", "megalite-to-hf", "--input", str(tmp_path / "ml2"), "--output",
-            str(tmp_path / "hf2"))
-    back = GPT2LMHeadModel.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
+    convert("--direction", "megalite-to-hf", "--model-type", model_type, "--input",
+            str(tmp_path / "ml2"), "--output", str(tmp_path / "hf2"))
+    back = hf_class.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
     tokens = torch.randint(0, 203, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(back(tokens).logits, hf(tokens).logits)

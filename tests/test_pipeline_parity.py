@@ -1,4 +1,5 @@
-"""Pipeline-parallel GPT (1F1B, interleaved, GPipe; with TP) vs the single-stage model.
+"""Pipeline-parallel GPT-2 and Llama specs (1F1B, interleaved, GPipe; with TP) vs the
+single-stage model.
 
 Every rank also builds the whole model (same init seed) in-process and runs the global
 batch of m microbatches as one batch; the pipelined step must give the same per-microbatch
@@ -8,6 +9,7 @@ last stage's copy, scrambled, is restored by sync_shared_embedding), within 1e-5
 """
 import contextlib
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.models import GPTModel
-from megalite.models.stage import (allreduce_shared_embedding_grads, build_model_chunks,
+from megalite.models.stage import (build_model_chunks, finalize_model_grads,
                                    shared_embedding_params, sync_shared_embedding)
 from megalite.mpu import comm, destroy_model_parallel, initialize_model_parallel
 from megalite.mpu.layers import gather_tensor_parallel
@@ -25,6 +27,12 @@ from tests.reference import rel_err
 
 CONFIG = ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=97,
                      max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+# Llama spec: RMSNorm, rope, SwiGLU, GQA (2 groups: split at TP 2), no biases, untied head
+LLAMA = dataclasses.replace(
+    CONFIG, normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+    ffn_hidden_size=48, group_query_attention=True, num_query_groups=2, disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True)
+MODELS = {"gpt2": CONFIG, "llama": LLAMA}
 SEQ, MICRO, SEED, TOL = 8, 2, 1234, 1e-5
 
 
@@ -66,14 +74,15 @@ def forward_step(data_iterator, chunk: nn.Module):
     return chunk(tokens[:, :-1], tokens[:, 1:]), loss_func
 
 
-def provider(pre_process: bool, post_process: bool) -> nn.Module:
-    return Recorder(GPTModel(CONFIG, pre_process, post_process, init_seed=SEED))
+def provider(config: ModelConfig, pre_process: bool, post_process: bool) -> nn.Module:
+    return Recorder(GPTModel(config, pre_process, post_process, init_seed=SEED))
 
 
-def reference(m: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def reference(m: int, model_name: str = "gpt2") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Single-stage model on the whole batch: per-microbatch losses [m], grads of the mean."""
     initialize_model_parallel(1, 1)
-    model = GPTModel(CONFIG, layer_range=(0, CONFIG.num_layers), init_seed=SEED)
+    config = MODELS[model_name]
+    model = GPTModel(config, layer_range=(0, config.num_layers), init_seed=SEED)
     tokens = batch(m)
     per_token = model(tokens[:, :-1], tokens[:, 1:])
     per_token.mean().backward()
@@ -84,10 +93,10 @@ def reference(m: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 def pipelined(refs: dict, tp: int, pp: int, vpp: int | None, m: int,
-              schedule: str = "1f1b") -> dict:
-    """Errors of one pipelined step and one forward-only step against `refs[m]`."""
+              schedule: str = "1f1b", model_name: str = "gpt2") -> dict:
+    """Errors of one pipelined step and one forward-only step against `refs[m, model_name]`."""
     initialize_model_parallel(tp, pp, vpp)
-    chunks = build_model_chunks(provider)
+    chunks = build_model_chunks(functools.partial(provider, MODELS[model_name]))
     for weight in shared_embedding_params(chunks):  # sync_shared_embedding must undo this
         if getattr(weight, "shared_embedding_copy", False):
             weight.data.normal_()
@@ -95,11 +104,11 @@ def pipelined(refs: dict, tp: int, pp: int, vpp: int | None, m: int,
     step = get_forward_backward_func(schedule)
     kw = dict(forward_step_func=forward_step, model=chunks, num_microbatches=m,
               seq_length=SEQ, micro_batch_size=MICRO)
-    ref_losses, ref_grads = refs[m]
+    ref_losses, ref_grads = refs[m, model_name]
     eval_losses = step(data_iterator=iter(batch(m).split(MICRO)), forward_only=True, **kw)
     untouched = all(p.grad is None for c in chunks for p in c.parameters())
     losses = step(data_iterator=iter(batch(m).split(MICRO)), **kw)
-    allreduce_shared_embedding_grads(chunks)
+    finalize_model_grads(chunks)
     grads = {name: gather_tensor_parallel(param.grad, param)
              for chunk in chunks for name, param in chunk.module.named_parameters()}
     destroy_model_parallel()
@@ -126,7 +135,7 @@ def clear_errors() -> dict[str, tuple[str, dict]]:
                                                                           post_process))
         except ValueError as e:
             out["layers"] = (str(e), dict(moved))
-    chunks = build_model_chunks(provider)
+    chunks = build_model_chunks(functools.partial(provider, CONFIG))
     with comm.count_bytes() as moved:
         try:
             get_forward_backward_func()(forward_step_func=forward_step, data_iterator=None,
@@ -139,17 +148,20 @@ def clear_errors() -> dict[str, tuple[str, dict]]:
 
 
 def run_grid(configs: list[tuple]) -> dict:
-    refs = {m: reference(m) for m in {c[3] for c in configs}}
+    keys = {(c[3], c[5] if len(c) > 5 else "gpt2") for c in configs}
+    refs = {key: reference(*key) for key in keys}
     results = {str(c): pipelined(refs, *c) for c in configs}
     results["errors"] = clear_errors()
     return results
 
 
-# (tp, pp, vpp, m[, schedule]); (1, 1, None, 4) is plain gradient accumulation
+# (tp, pp, vpp, m[, schedule[, model]]); (1, 1, None, 4) is plain gradient accumulation
 GRID_4 = [(1, 1, None, 4), (1, 4, None, 8, "gpipe")] + \
     [(1, pp, vpp, m) for pp in (2, 4) for vpp in (None, 2) for m in (pp, 2 * pp)] + \
-    [(2, 2, vpp, m) for vpp in (None, 2) for m in (2, 4)]
-GRID_8 = [(2, 4, vpp, m) for vpp in (None, 2) for m in (4, 8)]
+    [(2, 2, vpp, m) for vpp in (None, 2) for m in (2, 4)] + \
+    [(1, 2, 2, 4, "1f1b", "llama"), (2, 2, None, 4, "1f1b", "llama")]
+GRID_8 = [(2, 4, vpp, m) for vpp in (None, 2) for m in (4, 8)] + \
+    [(4, 2, None, 4, "1f1b", "llama")]  # TP 4 > 2 KV groups: replicated K/V
 
 
 @pytest.fixture(scope="module", params=[(4, GRID_4), (8, GRID_8)], ids=["4 ranks", "8 ranks"])

@@ -1,4 +1,5 @@
 """megalite.planner against hand-computed closed forms, the schedule tables and real models."""
+import dataclasses
 import importlib.util
 from fractions import Fraction
 from pathlib import Path
@@ -149,16 +150,52 @@ def test_stage_params_equal_a_real_model():
             sum(q.numel() for q in model.parameters())
 
 
-def _tp_params(tp: int) -> tuple[int, int]:
+def llama(c: Configs, groups: int = 2) -> Configs:
+    """The same shape with the Llama spec: RMSNorm, rope, SwiGLU (ffn 96), GQA, untied head."""
+    c.model = dataclasses.replace(
+        c.model, normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+        ffn_hidden_size=96, group_query_attention=True, num_query_groups=groups,
+        disable_bias_linear=True, untie_embeddings_and_output_weights=True)
+    return c
+
+
+def _tp_params(tp: int, spec: str) -> tuple[int, int]:
     initialize_model_parallel(tp, 1)
-    model = GPTModel(configs(layers=2).model)
+    c = configs(layers=2)
+    model = GPTModel((llama(c) if spec == "llama" else c).model)
     return sum(q.numel() for q in model.parameters()), pad_vocab_size(1000, 128, tp)
 
 
-def test_tp_stage_params_equal_a_real_model():
+@pytest.mark.parametrize("spec", ["gpt2", "llama"])
+def test_tp_stage_params_equal_a_real_model(spec):
+    """TP 2 and (Llama, 2 KV groups replicated) TP 4: the planner counts each rank's shard."""
     c = configs(layers=2)
-    for count, padded in run_on_ranks(2, _tp_params, 2):
-        assert count == planner.stage_params(c.model, padded, 2, 1, 0)
+    c = llama(c) if spec == "llama" else c
+    for tp in (2, 4) if spec == "llama" else (2,):
+        for count, padded in run_on_ranks(tp, _tp_params, tp, spec):
+            assert count == planner.stage_params(c.model, padded, tp, 1, 0), tp
+
+
+def test_llama_stage_params_and_total_equal_a_real_model():
+    c = llama(configs(layers=4, pp=2), groups=1)
+    padded, stages = 1024, []
+    for rank, (pre, post, layers) in enumerate([(True, False, (0, 2)), (False, True, (2, 4))]):
+        model = GPTModel(c.model, pre, post, layer_range=layers)
+        stages.append(sum(q.numel() for q in model.parameters()))
+        assert planner.stage_params(c.model, padded, 1, 2, rank) == stages[-1]
+    assert planner.plan(c).total_params == sum(stages)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_llama_flops_are_megatrons_gqa_swiglu_formula(groups):
+    """Megatron-LM's num_floating_point_operations: 12 B s L h^2 [(1 + G/H + s/h) (H d / h)
+    + (ffn / h) 3/2 + V / (2 L h)] (query projection ratio H d / h, gated-linear 3/2)."""
+    c = llama(configs(layers=4, hidden=64, heads=4, vocab=1000, seq=32, micro=2, batch=8),
+              groups)
+    B, s, L, h, V, H, d, ffn = 8, 32, 4, 64, 1024, 4, 16, 96
+    want = 12 * B * s * L * h * h * ((1 + groups / H + s / h) * (H * d / h) + ffn / h * 1.5
+                                     + V / (2 * L * h))
+    assert flops_per_iteration(c.model, B, s, V) == pytest.approx(want)
 
 
 def test_plan_tool_prints_a_plan(capsys):

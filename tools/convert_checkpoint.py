@@ -4,8 +4,10 @@
   megalite -> hf:       --direction megalite-to-hf --input CKPT --output HF_DIR
   megalite -> megalite: --direction reshard --input CKPT --output CKPT2 --target-tp 4 --target-pp 1
 
---model-type gpt (GPT-2, default) or bert (BertModel, BertForSequenceClassification or
-BertForMaskedLM, picked by the head the weights have; tokenizer files are not converted).
+--model-type gpt (GPT-2, default), llama (LlamaForCausalLM directory, or a llama GGUF file as
+--input, e.g. SmolLM2 from `megalite.hf.smollm2_gguf_path()`) or bert (BertModel,
+BertForSequenceClassification or BertForMaskedLM, picked by the head the weights have;
+tokenizer files are not converted).
 megalite checkpoints hold full tensors per pipeline stage, so any of them loads under any
 layout; --target-tp/--target-pp record the layout and split the stage files.
 """
@@ -17,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite import checkpointing  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.hf import bert, gpt2  # noqa: E402
+from megalite.hf import bert, gguf, gpt2, llama  # noqa: E402
 
 State = dict  # full megalite state dict: parameter name -> tensor
 
@@ -59,9 +61,26 @@ def write_bert(dst: str, full: State, config: ModelConfig, src: str) -> None:
     model.save_pretrained(dst)
 
 
+def read_llama(src: str) -> tuple[ModelConfig, State]:
+    """A transformers Llama directory, or a llama-architecture .gguf file."""
+    if src.endswith(".gguf"):
+        hf_config, state = gguf.read_llama_gguf(src)
+    else:
+        from transformers import LlamaForCausalLM
+        hf = LlamaForCausalLM.from_pretrained(src, local_files_only=True, dtype="float32")
+        hf_config, state = hf.config, hf.state_dict()
+    config = llama.llama_config(hf_config)
+    return config, llama.llama_to_megalite(state, config)
+
+
+def write_llama(dst: str, full: State, config: ModelConfig, src: str) -> None:
+    llama.save_llama_dir(dst, full, config)
+
+
 MODEL_TYPES = {  # name -> (HF directory -> (config, full state), write full state as HF dir)
     "gpt": (read_gpt, write_gpt),
     "bert": (read_bert, write_bert),
+    "llama": (read_llama, write_llama),
 }
 
 
@@ -87,13 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--direction", required=True,
                         choices=("hf-to-megalite", "megalite-to-hf", "reshard"))
     parser.add_argument("--model-type", default="gpt", choices=sorted(MODEL_TYPES))
-    parser.add_argument("--input", required=True, help="source directory")
+    parser.add_argument("--input", required=True, help="source directory (or .gguf file)")
     parser.add_argument("--output", required=True, help="destination directory")
     parser.add_argument("--target-tp", type=int, default=1)
     parser.add_argument("--target-pp", type=int, default=1)
     args = parser.parse_args(argv)
-    if not os.path.isdir(args.input):
-        parser.exit(2, f"error: --input {args.input}: no such directory\n")
+    if not (os.path.isdir(args.input) or args.input.endswith(".gguf")):
+        parser.exit(2, f"error: --input {args.input}: no such directory (or .gguf file)\n")
     try:
         if args.direction == "hf-to-megalite":
             hf_to_megalite(args.model_type, args.input, args.output, args.target_tp,

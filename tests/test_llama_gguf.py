@@ -1,0 +1,42 @@
+"""GGUF reading: the RoPE unpermutation against an explicitly interleaved layout, and one-line
+errors for a GGUF of another architecture and for a file that is no GGUF."""
+import pytest
+import torch
+
+from megalite.hf import read_llama_gguf
+from megalite.hf.gguf import unpermute_rotary
+
+gguf = pytest.importorskip("gguf")
+
+
+def test_unpermute_rotary_undoes_the_interleaved_pair_layout():
+    heads, d, cols = 3, 8, 5
+    half_split = torch.randn(heads * d, cols)
+    # interleaved: row 2i of a head holds half-split row i, row 2i+1 holds row i + d/2
+    interleaved = torch.empty_like(half_split)
+    for h in range(heads):
+        for i in range(d // 2):
+            interleaved[h * d + 2 * i] = half_split[h * d + i]
+            interleaved[h * d + 2 * i + 1] = half_split[h * d + d // 2 + i]
+    assert torch.equal(unpermute_rotary(interleaved, heads), half_split)
+
+
+def test_gguf_of_another_architecture_is_one_clear_line(tmp_path):
+    path = str(tmp_path / "gpt2.gguf")
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"architecture is 'gpt2', expected 'llama'") as error:
+        read_llama_gguf(path)
+    assert path in str(error.value) and "\n" not in str(error.value)
+
+
+def test_not_a_gguf_file_is_one_clear_line(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="not a readable GGUF file") as error:
+        read_llama_gguf(str(path))
+    assert "\n" not in str(error.value)

@@ -1,0 +1,118 @@
+"""Llama-spec GPTModel at TP in {1, 2, 4} vs transformers LlamaForCausalLM, same random weights.
+
+fp32: MHA (fused QKV), GQA with 2 groups (split at TP 2, replicated at TP 4), MQA (one
+group replicated on every rank), a head dim other than hidden/heads, Llama-3 RoPE scaling,
+tied and untied heads, odd vocabulary (203) and odd sequence length (13): logits within
+1e-5, loss within 1e-5 relative, every gradient (gathered over TP) within 1e-4 relative,
+then three AdamW steps on both and the losses still within 1e-5 relative. Also: one-line
+errors for configs megalite cannot express, before any collective.
+"""
+import pytest
+import torch
+
+from megalite.hf import llama_config, load_llama, megalite_to_llama
+from megalite.models import GPTModel
+from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
+from megalite.mpu import parallel_state as ps
+from tests.multirank import run_on_ranks
+from tests.reference import hf_parity_errors
+
+VOCAB, SEQ = 203, 13
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+CASES = {  # name -> LlamaConfig overrides
+    "mha tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+    "gqa 2 groups untied": dict(num_key_value_heads=2),
+    "mqa tied": dict(num_key_value_heads=1, tie_word_embeddings=True),
+    "gqa head_dim 24 llama3 rope": dict(num_key_value_heads=2, head_dim=24,
+                                        rope_parameters=LLAMA3_ROPE),
+}
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """A random transformers LlamaForCausalLM (no download); norm weights away from 1."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=32, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    cfg = LlamaConfig(**{**kw, **overrides})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def _compare(tp: int, case: str) -> dict:
+    initialize_model_parallel(tp, 1)
+    model_parallel_seed(0, ps.get_tensor_model_parallel_rank())
+    hf = tiny_llama(**CASES[case])
+    config = llama_config(hf.config)
+    model = GPTModel(config)
+    load_llama(model, hf.state_dict())
+    tokens = torch.randint(0, VOCAB, (3, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    return hf_parity_errors(model, hf, lambda state: megalite_to_llama(state, config), tokens,
+                            VOCAB)
+
+
+def _bad_configs() -> dict[str, tuple[str, dict]]:
+    """The ValueError line of each unsupported config, and the bytes moved before it."""
+    from transformers import LlamaConfig, MistralConfig
+    initialize_model_parallel(4, 1)
+    out = {}
+    builders = {
+        "sliding window": lambda: llama_config(MistralConfig(sliding_window=4096)),
+        "gelu": lambda: llama_config(LlamaConfig(hidden_act="gelu")),
+        "yarn rope": lambda: llama_config(LlamaConfig(rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})),
+        "groups vs tp": lambda: GPTModel(llama_config(tiny_llama(
+            num_attention_heads=12, num_key_value_heads=3, hidden_size=96).config)),
+        "heads vs tp": lambda: GPTModel(llama_config(tiny_llama(
+            num_attention_heads=6, num_key_value_heads=2, hidden_size=96).config)),
+    }
+    for name, build in builders.items():
+        with comm.count_bytes() as moved:
+            try:
+                build()
+                out[name] = ("no error", {})
+            except ValueError as error:
+                out[name] = (str(error), dict(moved))
+    return out
+
+
+def _all_tp() -> dict:
+    errors = {(tp, case): _compare(tp, case) for tp in (1, 2, 4) for case in CASES}
+    errors["bad"] = _bad_configs()
+    return errors
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_on_ranks(4, _all_tp)
+
+
+def test_llama_matches_hf_at_tp_1_2_4(results):
+    for per_rank in results:
+        for key, e in per_rank.items():
+            if key == "bad":
+                continue
+            assert e["logits"] < 1e-5 and e["loss"] < 1e-5, (key, e)
+            assert e["grad"] < 1e-4 and not e["missing grads"], (key, e)
+            assert max(e["steps"]) < 1e-5, (key, e)
+    print({k: {m: e[m] for m in ("logits", "loss", "grad")} for k, e in results[0].items()
+           if k != "bad"})
+
+
+def test_unsupported_configs_fail_with_one_line_before_any_collective(results):
+    expected = {"sliding window": "sliding_window=4096", "gelu": "hidden_act='gelu'",
+                "yarn rope": "rope_type='yarn'",
+                "groups vs tp": "--num-query-groups (3) must be a multiple or a divisor",
+                "heads vs tp": "--num-attention-heads (6) must be divisible by the "
+                               "tensor-parallel size (4)"}
+    for per_rank in results:
+        for name, (message, moved) in per_rank["bad"].items():
+            assert expected[name] in message and "\n" not in message, (name, message)
+            assert not any(moved.values()), (name, moved)
