@@ -30,7 +30,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     model, tokenizer = load_from_args(args)
     server = CompletionServer(model, tokenizer, os.path.basename(
-        os.path.normpath(args.load or args.hf)))
+        os.path.normpath(args.load or args.hf or args.gguf)))
     if dist.get_rank() == 0:
         serve_http(server, args.host, args.port)
         print(f"serving on http://{args.host}:{args.port} (POST /v1/completions, GET /health)",

