@@ -76,7 +76,8 @@ def _expected(hf, tokenizer, prompt: str, max_tokens: int) -> str:
     out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                       do_sample=False, max_new_tokens=max_tokens, pad_token_id=0,
                       eos_token_id=tokenizer.eod)[0, len(ids):].tolist()
-    return tokenizer.detokenize([t for t in out if t != tokenizer.eod])
+    new = [t for t in out if t != tokenizer.eod]
+    return tokenizer.detokenize(ids + new)[len(tokenizer.detokenize(ids)):]
 
 
 def _post(url: str, body) -> tuple[int, dict]:

@@ -17,10 +17,16 @@ from megalite.inference.sampling import SamplingParams
 class Completion:
     """One prompt's continuation: `text` (cut before a stop string, without EOS), `tokens`,
     `finish_reason` ("stop" after EOS or a stop string, "length" otherwise), and the text not
-    yet handed out by `take_delta`."""
+    yet handed out by `take_delta`.
 
+    The text is decoded after the prompt's last `ANCHOR` tokens and stripped of their text,
+    so word boundaries (sentencepiece's leading spaces) come out as in the whole sequence.
+    """
+
+    ANCHOR = 8
     tokenizer: Tokenizer
     stop: list[str]
+    prompt: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -32,7 +38,9 @@ class Completion:
             self.finish_reason = "stop"
             return True
         self.tokens.append(token)
-        self.text = self.tokenizer.detokenize(self.tokens)
+        anchor = self.prompt[-self.ANCHOR:]
+        whole = self.tokenizer.detokenize(anchor + self.tokens)
+        self.text = whole[len(self.tokenizer.detokenize(anchor)):]
         cut = min((self.text.find(s) for s in self.stop if s in self.text), default=-1)
         if cut >= 0:
             self.text, self.finish_reason = self.text[:cut], "stop"
@@ -64,7 +72,7 @@ def complete(model: nn.Module, tokenizer: Tokenizer, prompts: list[str],
     """Generate for a batch of text prompts; after every decoding step yield the batch's
     `Completion`s (use `take_delta` to stream). Call on every rank of the model."""
     ids = encode_prompts(tokenizer, prompts, model.config.max_position_embeddings)
-    completions = [Completion(tokenizer, list(stop or [])) for _ in prompts]
+    completions = [Completion(tokenizer, list(stop or []), prompt) for prompt in ids]
     eos = tokenizer.eod
 
     def finished(row: int, tokens: list[int]) -> bool:
