@@ -5,7 +5,8 @@ A batch of four prompts of lengths 3..11 (left-padded in one batch by megalite) 
 token for token, what transformers generates for each prompt alone, for 20 new tokens, at
 TP 1, TP 2 and PP 2. The weights are drawn with std 0.3 so the greedy continuations vary.
 Sampling with a seed gives the same tokens twice (at TP 2 the two ranks agree), another
-seed other tokens, and top-k 1 at temperature 1.3 the greedy tokens.
+seed other tokens, and top-k 1 at temperature 1.3 the greedy tokens; without a seed, the
+ranks still agree (rank 0 draws the seed for all).
 """
 import torch
 
@@ -47,7 +48,8 @@ def _megalite_runs(tp: int, pp: int) -> dict:
     return {"greedy": generate(model, prompts, SamplingParams(NEW)),
             "top_k_1": generate(model, prompts, SamplingParams(NEW, temperature=1.3, top_k=1,
                                                                seed=3)),
-            "sampled": sampled}
+            "sampled": sampled,
+            "unseeded": generate(model, prompts, SamplingParams(NEW, temperature=1.0))}
 
 
 def _all_layouts() -> dict:
@@ -67,4 +69,5 @@ def test_greedy_matches_hf_and_seeded_sampling_repeats():
             assert got["top_k_1"] == want, (rank, layout)
             first, again, other = got["sampled"]
             assert first == again and first != other, (rank, layout)
+            assert got["unseeded"] == results[0][layout]["unseeded"], (rank, layout)
     print("greedy continuations (HF == megalite):", want)

@@ -56,11 +56,12 @@ def check_prompts(prompts: list[list[int]], context: int) -> None:
                              f"{context} (--max-position-embeddings): expected fewer")
 
 
-def _shared_seed(params: SamplingParams) -> int | None:
-    """The request's seed; when sampling without one, rank 0 draws it for every rank."""
+def _shared_seed(params: SamplingParams, device: torch.device) -> int | None:
+    """The request's seed; when sampling without one, rank 0 draws it for every rank (world
+    group)."""
     if params.greedy or params.seed is not None:
         return params.seed
-    seed = torch.tensor([random.randrange(2 ** 62)])
+    seed = torch.tensor([random.randrange(2 ** 62)], device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(seed, src=0)
     return int(seed)
@@ -156,7 +157,7 @@ def generate_steps(model: nn.Module | list[nn.Module], prompts: list[list[int]],
     if max_new == 0:
         return
     device = next(model.parameters()).device
-    seed = _shared_seed(params)
+    seed = _shared_seed(params, device)
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     vocab_start = model.output_weights().vocab_start if model.post_process else 0
     tp_group = ps.get_tensor_model_parallel_group()
