@@ -73,9 +73,11 @@ class GPTModel(nn.Module):
     pre_process: this stage embeds input_ids; otherwise it starts from `set_input_tensor`.
     post_process: this stage ends with the final norm and the output layer (the word
     embedding when tied, else `output_layer`).
-    forward(input_ids [b, s], labels [b, s] | None, position_ids [b, s] | None) ->
-      last stage: per-token loss [b, s] with labels, else vocab-parallel logits [b, s, V/tp];
-      other stages: hidden states [s, b, h] for the next stage ([s/t, b, h] with
+    forward(input_ids [b, s], labels [b, s] | None, position_ids [b, s] | None,
+            attention_mask [b, 1, s | 1, keys] bool | None, inference_params | None) ->
+      last stage: per-token loss [b, s] with labels, else vocab-parallel logits [b, s, V/tp]
+      (with `inference_params`, a `megalite.inference.KVCache`: of the last position only,
+      [b, V/tp]); other stages: hidden states [s, b, h] for the next stage ([s/t, b, h] with
       `sequence_parallel`: the embedding output is scattered along s over the TP group and
       gathered again before the output layer).
     Context parallelism: input_ids, labels and position_ids are this CP rank's tokens
@@ -134,7 +136,9 @@ class GPTModel(nn.Module):
         return self.rotary(position_ids)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                inference_params=None) -> torch.Tensor:
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
             if self.sequence_parallel:
@@ -143,9 +147,12 @@ class GPTModel(nn.Module):
                              self.sequence_parallel)
         else:
             hidden = self.input_tensor
-        hidden = self.encoder(hidden, rotary=self._rotary(input_ids, position_ids))
+        hidden = self.encoder(hidden, attention_mask, self._rotary(input_ids, position_ids),
+                              inference_params)
         if not self.post_process:
             return hidden
+        if inference_params is not None:
+            return self.output_weights().lm_logits(self.final_layernorm(hidden[-1]))
         logits = self.output_weights().lm_logits(self.final_layernorm(hidden),
                                                  self.sequence_parallel)
         if labels is None:

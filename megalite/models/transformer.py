@@ -57,7 +57,8 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) 
 
 class ParallelTransformerLayer(nn.Module):
     """One layer, pre-norm (GPT-2, Llama) or post-norm (BERT).
-    forward(x [s, b, h], mask, rotary (cos, sin) | None) -> [s, b, h]."""
+    forward(x [s, b, h], mask, rotary (cos, sin) | None, inference_params) -> [s, b, h];
+    `inference_params` (a `megalite.inference.KVCache`) holds this layer's keys and values."""
 
     def __init__(self, config: ModelConfig, layer_number: int, group=None,
                  params_dtype=torch.float32, device=None, sequence_parallel: bool = False) -> None:
@@ -81,14 +82,15 @@ class ParallelTransformerLayer(nn.Module):
         return dropout(x, self.hidden_dropout, self.training, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rotary: Rotary = None) -> torch.Tensor:
+                rotary: Rotary = None, inference_params=None) -> torch.Tensor:
         recompute_core = self.config.recompute_granularity == "selective" and self.training
+        kv_cache = None if inference_params is None else inference_params.layer(self.layer_number)
         if self.post_norm:
-            x = self.input_layernorm(
-                x + self._dropout(self.self_attention(x, attention_mask, rotary, recompute_core)))
+            x = self.input_layernorm(x + self._dropout(
+                self.self_attention(x, attention_mask, rotary, recompute_core, kv_cache)))
             return self.post_attention_layernorm(x + self._dropout(self.mlp(x)))
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), attention_mask, rotary,
-                                                  recompute_core))
+                                                  recompute_core, kv_cache))
         return x + self._dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -97,7 +99,7 @@ class ParallelTransformer(nn.Module):
 
     Full recompute checkpoints groups of `recompute_num_layers` layers (uniform) or the
     first `recompute_num_layers` layers (block).
-    forward(x [s, b, h], mask, rotary (cos, sin) | None) -> [s, b, h].
+    forward(x [s, b, h], mask, rotary (cos, sin) | None, inference_params) -> [s, b, h].
     """
 
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int], init_seed: int,
@@ -128,19 +130,19 @@ class ParallelTransformer(nn.Module):
                 yield layers[start:start + n], True
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rotary: Rotary = None) -> torch.Tensor:
+                rotary: Rotary = None, inference_params=None) -> torch.Tensor:
         for group, recompute in self._groups():
             if not group:
                 continue
             if recompute:
-                x = checkpoint(_run_layers, group, x, attention_mask, rotary)
+                x = checkpoint(_run_layers, group, x, attention_mask, rotary, inference_params)
             else:
-                x = _run_layers(group, x, attention_mask, rotary)
+                x = _run_layers(group, x, attention_mask, rotary, inference_params)
         return x
 
 
 def _run_layers(layers: list[nn.Module], x: torch.Tensor, attention_mask: torch.Tensor | None,
-                rotary: Rotary) -> torch.Tensor:
+                rotary: Rotary, inference_params=None) -> torch.Tensor:
     for layer in layers:
-        x = layer(x, attention_mask, rotary)
+        x = layer(x, attention_mask, rotary, inference_params)
     return x

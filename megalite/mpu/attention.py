@@ -42,13 +42,15 @@ def check_attention_partition(num_attention_heads: int, num_query_groups: int, t
 
 
 class ParallelAttention(nn.Module):
-    """forward(x [s, b, h], attention_mask [b, 1, 1|s, s] bool (True = attend) | None,
-    rotary (cos, sin) [b, 1, s, d] | None, recompute_core) -> [s, b, h].
+    """forward(x [s, b, h], attention_mask [b, 1, 1|s, s + cached] bool (True = attend) | None,
+    rotary (cos, sin) [b, 1, s, d] | None, recompute_core, kv_cache) -> [s, b, h].
 
-    `causal` adds the causal mask to any given mask. Dropout on the probabilities draws from
-    the TP-rank RNG stream. `sequence_parallel`: x and the output are [s/t, b, h].
-    `context_parallel_group` (default: the grid's CP group): more than one rank -> ring
-    attention over it (no mask other than causal, no attention dropout).
+    `causal` adds the causal mask to any given mask (queries aligned to the last keys).
+    Dropout on the probabilities draws from the TP-rank RNG stream. `sequence_parallel`: x and
+    the output are [s/t, b, h]. `context_parallel_group` (default: the grid's CP group): more
+    than one rank -> ring attention over it (no mask other than causal, no attention dropout).
+    `kv_cache` (inference): an object whose `update(k, v)` stores this step's k, v
+    [b, groups/tp, s, d] and returns the keys and values of every position so far.
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int,
@@ -111,12 +113,12 @@ class ParallelAttention(nn.Module):
                                  "causal")
             return ring_attention(q, k, v, self.causal, self.cp_group)
         dropout = self.attention_dropout if self.training else 0.0
-        causal = self.causal and attention_mask is None
+        sq, sk = q.shape[2], k.shape[2]
+        causal = self.causal and attention_mask is None and sq == sk
         mask = attention_mask
-        if self.causal and attention_mask is not None:
-            sq, sk = q.shape[2], k.shape[2]
-            mask = attention_mask & torch.ones(sq, sk, dtype=torch.bool,
-                                               device=q.device).tril(sk - sq)
+        if self.causal and not causal and sq > 1:
+            tril = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            mask = tril if attention_mask is None else attention_mask & tril
         if k.shape[1] != q.shape[1]:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -128,11 +130,13 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                recompute_core: bool = False) -> torch.Tensor:
+                recompute_core: bool = False, kv_cache=None) -> torch.Tensor:
         q, k, v = self._project(x)
         b, s = q.shape[0], q.shape[2]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
         if recompute_core:
             context = checkpoint(self.core_attention, q, k, v, attention_mask)
         else:

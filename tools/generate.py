@@ -1,0 +1,98 @@
+"""Generate text from a megalite checkpoint or a transformers directory, at any TP x PP.
+
+  python tools/generate.py --load checkpoints/gpt_default --prompt "The module"
+  torchrun --nproc_per_node 2 tools/generate.py --tp 2 --hf DIR --prompt "Hello" --prompt "A"
+  python tools/generate.py --load checkpoints/gpt_default        # prompts from stdin
+
+One prompt streams its tokens as they come; several run as one batch and print at the end.
+Rank 0 prints; the prompt and generation speed (tokens/s) follow each batch.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch.distributed as dist  # noqa: E402
+
+from megalite.inference import GenerationStats, SamplingParams  # noqa: E402
+from megalite.inference.loading import add_model_arguments, load_from_args  # noqa: E402
+from megalite.inference.text import complete  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="prompt text (repeatable: one batch); none: read lines from stdin")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1: no nucleus cut")
+    parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    return parser.parse_args(argv)
+
+
+def _print(text: str = "", end: str = "\n") -> None:
+    if dist.get_rank() == 0:
+        print(text, end=end, flush=True)
+
+
+def run_batch(model, tokenizer, prompts: list[str], params: SamplingParams,
+              stop: list[str]) -> None:
+    stats = GenerationStats()
+    stream = len(prompts) == 1
+    if stream:
+        _print(prompts[0], end="")
+    completions = []
+    for completions in complete(model, tokenizer, prompts, params, stop, stats):
+        if stream:
+            _print(completions[0].take_delta(), end="")
+    if stream:
+        _print(completions[0].take_delta(final=True) if completions else "")
+    else:
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            _print(f"[{i}] {prompt}{completion.text}")
+    _print(f"-- prompt: {stats.prompt_tokens} tokens in {stats.prefill_s:.3f} s "
+           f"({stats.prompt_tokens / max(stats.prefill_s, 1e-9):.1f} tokens/s); generation: "
+           f"{stats.new_tokens} tokens in {stats.decode_s:.3f} s "
+           f"({max(stats.new_tokens - len(prompts), 0) / max(stats.decode_s, 1e-9):.1f} "
+           f"tokens/s)")
+
+
+def _next_prompt() -> str | None:
+    """Rank 0 reads a line from stdin and shares it; None at end of input."""
+    box = [None]
+    if dist.get_rank() == 0:
+        print("prompt> ", end="", flush=True, file=sys.stderr)
+        line = sys.stdin.readline()
+        box[0] = line.rstrip("\n") if line else None
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                            args.seed)
+    params.validate()
+    model, tokenizer = load_from_args(args)
+    if args.prompt:
+        run_batch(model, tokenizer, args.prompt, params, args.stop)
+        return
+    while (prompt := _next_prompt()) is not None:
+        if prompt.strip():
+            run_batch(model, tokenizer, [prompt], params, args.stop)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

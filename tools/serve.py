@@ -1,0 +1,46 @@
+"""Serve completions over HTTP (OpenAI-style) from a megalite checkpoint or a transformers
+directory, at any TP x PP: rank 0 answers HTTP, every rank generates.
+
+  python tools/serve.py --load checkpoints/gpt_default --port 8000
+  torchrun --nproc_per_node 2 tools/serve.py --tp 2 --hf DIR --port 8000
+  curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
+       -d '{"prompt": "The module", "max_tokens": 32, "temperature": 0}'
+
+POST /v1/completions: prompt (string or list), max_tokens, temperature, top_p, top_k, seed,
+stop, stream (server-sent events). GET /health.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch.distributed as dist  # noqa: E402
+
+from megalite.inference.loading import add_model_arguments, load_from_args  # noqa: E402
+from megalite.inference.serving import CompletionServer, serve_http  # noqa: E402
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    model, tokenizer = load_from_args(args)
+    server = CompletionServer(model, tokenizer, os.path.basename(
+        os.path.normpath(args.load or args.hf or args.gguf)))
+    if dist.get_rank() == 0:
+        serve_http(server, args.host, args.port)
+        print(f"serving on http://{args.host}:{args.port} (POST /v1/completions, GET /health)",
+              flush=True)
+    server.loop()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
