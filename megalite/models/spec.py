@@ -37,6 +37,24 @@ class MLPSpec:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """Keyword arguments of megalite.moe.MoELayer (less init, placement and layer number)."""
+
+    hidden_size: int
+    num_experts: int
+    ffn_hidden_size: int
+    topk: int
+    activation: str
+    score_function: str
+    renormalize: bool
+    aux_loss_coeff: float
+    z_loss_coeff: float
+    capacity_factor: float | None
+    shared_expert_size: int | None
+    shared_expert_gate: bool
+
+
+@dataclass(frozen=True)
 class RotarySpec:
     """Keyword arguments of megalite.mpu.rotary.RotaryEmbedding."""
 
@@ -59,6 +77,8 @@ class TransformerSpec:
     mlp: MLPSpec
     hidden_dropout: float
     tie_output: bool
+    moe: MoESpec | None = None
+    moe_layer_freq: int = 1
 
     @classmethod
     def from_config(cls, c: ModelConfig) -> "TransformerSpec":
@@ -69,6 +89,12 @@ class TransformerSpec:
                            high_freq_factor=c.rope_high_freq_factor,
                            original_max_positions=c.rope_original_max_position_embeddings)
         rope = c.position_embedding_type == "rope"
+        activation = "swiglu" if c.swiglu else c.activation
+        moe = None if c.num_experts is None else MoESpec(
+            c.hidden_size, c.num_experts, c.moe_ffn_hidden_size, c.moe_router_topk, activation,
+            c.moe_router_score_function, c.moe_router_topk_renorm, c.moe_aux_loss_coeff,
+            c.moe_z_loss_coeff, c.moe_expert_capacity_factor,
+            c.moe_shared_expert_intermediate_size, c.moe_shared_expert_gate)
         return cls(
             normalization=c.normalization, norm_epsilon=c.norm_epsilon,
             post_norm=c.post_layernorm, position_embedding=c.position_embedding_type,
@@ -76,16 +102,23 @@ class TransformerSpec:
             attention=AttentionSpec(c.hidden_size, c.num_attention_heads, c.query_groups,
                                     c.head_dim, bias or c.add_qkv_bias, bias, c.causal,
                                     c.attention_dropout),
-            mlp=MLPSpec(c.hidden_size, c.ffn_hidden_size,
-                        "swiglu" if c.swiglu else c.activation, bias),
+            mlp=MLPSpec(c.hidden_size, c.ffn_hidden_size, activation, bias),
             hidden_dropout=c.hidden_dropout,
-            tie_output=not c.untie_embeddings_and_output_weights)
+            tie_output=not c.untie_embeddings_and_output_weights, moe=moe,
+            moe_layer_freq=c.moe_layer_freq)
 
     def attention_kwargs(self) -> dict:
         return asdict(self.attention)
 
     def mlp_kwargs(self) -> dict:
         return asdict(self.mlp)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` has the MoE MLP (every moe_layer_freq-th from 0)."""
+        return self.moe is not None and layer % self.moe_layer_freq == 0
+
+    def moe_kwargs(self) -> dict:
+        return asdict(self.moe)
 
     # --- counts (Megatron's formulas, generalised to GQA, SwiGLU and biases) ---
 

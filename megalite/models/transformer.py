@@ -13,6 +13,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.models.spec import TransformerSpec
+from megalite.moe import MoELayer
 from megalite.mpu.attention import ParallelAttention
 from megalite.mpu.layers import (init_method_normal, scaled_init_method_normal,
                                  set_tensor_model_parallel_attributes)
@@ -56,7 +57,11 @@ class ParallelTransformerLayer(nn.Module):
         self.input_layernorm = layer_norm(config, params_dtype, device)
         self.self_attention = ParallelAttention(**spec.attention_kwargs(), **kw)
         self.post_attention_layernorm = layer_norm(config, params_dtype, device)
-        self.mlp = ParallelMLP(**spec.mlp_kwargs(), **kw)
+        if spec.is_moe_layer(layer_number):
+            self.mlp = MoELayer(**spec.moe_kwargs(), layer_number=layer_number,
+                                init_std=config.init_method_std, **kw)
+        else:
+            self.mlp = ParallelMLP(**spec.mlp_kwargs(), **kw)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.hidden_dropout, self.training)

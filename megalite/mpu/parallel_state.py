@@ -3,6 +3,11 @@
 Ranks are laid out TP fastest, then DP, then PP (Megatron's "tp-dp-pp"):
 rank = tp_rank + TP * (dp_rank + DP * pp_rank). The embedding group holds the first
 and last stage of each pipeline group (the tied word embedding lives on both).
+
+Expert parallelism (EP) is carved out of DP as in Megatron-core: consecutive blocks of EP
+data-parallel ranks form an expert-model-parallel group (experts split over it), and the
+ranks with the same place in their block form the expert-data-parallel group (DP / EP ranks
+holding the same experts, over which expert grads are reduced).
 """
 from dataclasses import dataclass
 
@@ -16,6 +21,7 @@ class GridLayout:
     tp: int
     pp: int
     dp: int
+    ep: int = 1
 
     def rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
@@ -44,6 +50,15 @@ class GridLayout:
     def embedding_groups(self) -> list[list[int]]:
         return [sorted({g[0], g[-1]}) for g in self.pipeline_groups()]
 
+    def expert_model_groups(self) -> list[list[int]]:
+        """Blocks of `ep` consecutive DP ranks (same TP rank and stage): experts split over."""
+        return [group[block:block + self.ep] for group in self.data_groups()
+                for block in range(0, self.dp, self.ep)]
+
+    def expert_data_groups(self) -> list[list[int]]:
+        """DP ranks at the same place of their EP block: they hold the same experts."""
+        return [group[i::self.ep] for group in self.data_groups() for i in range(self.ep)]
+
 
 def validate_sizes(world_size: int, tensor_model_parallel_size: int,
                    pipeline_model_parallel_size: int,
@@ -66,6 +81,7 @@ def validate_sizes(world_size: int, tensor_model_parallel_size: int,
 class _State:
     layout: GridLayout | None = None
     tp_group = dp_group = pp_group = model_group = embedding_group = None
+    ep_group = expert_dp_group = None
     tp_ranks: list[int] = []
     dp_ranks: list[int] = []
     pp_ranks: list[int] = []
@@ -89,21 +105,28 @@ def _new_groups(rank_lists: list[list[int]], my_rank: int):
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: int | None = None) -> None:
-    """Build the TP/PP/DP/model/embedding groups on the default process group."""
+                              virtual_pipeline_model_parallel_size: int | None = None,
+                              expert_model_parallel_size: int = 1) -> None:
+    """Build the TP/PP/DP/model/embedding (and expert) groups on the default process group."""
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel: torch.distributed is not initialized "
                            "(call megalite.device.init_distributed first)")
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = validate_sizes(world, tensor_model_parallel_size, pipeline_model_parallel_size,
                         virtual_pipeline_model_parallel_size)
-    layout = GridLayout(tensor_model_parallel_size, pipeline_model_parallel_size, dp)
+    if dp % expert_model_parallel_size:
+        raise ValueError(f"--expert-model-parallel-size ({expert_model_parallel_size}) must "
+                         f"divide the data-parallel size ({dp}): EP ranks are carved out of DP")
+    layout = GridLayout(tensor_model_parallel_size, pipeline_model_parallel_size, dp,
+                        expert_model_parallel_size)
     _S.layout = layout
     _S.tp_group, _S.tp_ranks = _new_groups(layout.tensor_groups(), rank)
     _S.dp_group, _S.dp_ranks = _new_groups(layout.data_groups(), rank)
     _S.pp_group, _S.pp_ranks = _new_groups(layout.pipeline_groups(), rank)
     _S.model_group, _ = _new_groups(layout.model_groups(), rank)
     _S.embedding_group, _S.embedding_ranks = _new_groups(layout.embedding_groups(), rank)
+    _S.ep_group, _ = _new_groups(layout.expert_model_groups(), rank)
+    _S.expert_dp_group, _ = _new_groups(layout.expert_data_groups(), rank)
     _S.virtual_size = virtual_pipeline_model_parallel_size
     _S.virtual_rank = 0 if virtual_pipeline_model_parallel_size else None
 
@@ -114,7 +137,8 @@ def model_parallel_is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     """Forget every group so a test can initialise another layout."""
-    for name in ("tp_group", "dp_group", "pp_group", "model_group", "embedding_group"):
+    for name in ("tp_group", "dp_group", "pp_group", "model_group", "embedding_group",
+                 "ep_group", "expert_dp_group"):
         group = getattr(_S, name)
         if group is not None and dist.is_initialized():
             dist.destroy_process_group(group)
@@ -238,3 +262,29 @@ def get_pipeline_model_parallel_next_rank() -> int:
 def get_pipeline_model_parallel_prev_rank() -> int:
     ranks = _S.pp_ranks
     return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
+
+
+def get_expert_model_parallel_group():
+    """The EP ranks this rank's experts are split over (a block of the DP group)."""
+    return _group("ep_group")
+
+
+def get_expert_data_parallel_group():
+    """The DP / EP ranks holding the same experts (expert grads are reduced here)."""
+    return _group("expert_dp_group")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _layout().ep if _S.layout else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_data_parallel_rank() % get_expert_model_parallel_world_size()
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return get_data_parallel_world_size() // get_expert_model_parallel_world_size()
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_data_parallel_rank() // get_expert_model_parallel_world_size()
