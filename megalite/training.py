@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite import checkpointing, device
+from megalite import checkpointing, device, moe
 from megalite.config import Configs
 from megalite.data.gpt_dataset import parse_data_path
 from megalite.data.indexed_dataset import IndexedDataset
@@ -25,6 +25,7 @@ from megalite.models.stage import (build_model_chunks, finalize_model_grads,
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.attention import check_attention_partition
+from megalite.moe import check_expert_partition
 from megalite.mpu.layers import pad_vocab_size
 from megalite.optimizer import get_optimizer
 from megalite.optimizer.scheduler import check_decay_iters
@@ -62,6 +63,9 @@ def validate_configs(configs: Configs, world_size: int) -> RunShape:
         raise ValueError(f"--num-layers ({m.num_layers}) must be divisible by --pp x --vpp "
                          f"({chunks})")
     check_attention_partition(m.num_attention_heads, m.query_groups, p.tensor_model_parallel_size)
+    if m.num_experts is not None or p.expert_model_parallel_size > 1:
+        check_expert_partition(m.num_experts or 1, m.moe_router_topk,
+                               p.expert_model_parallel_size, dp)
     if m.ffn_hidden_size % p.tensor_model_parallel_size:
         raise ValueError(f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by --tp "
                          f"({p.tensor_model_parallel_size})")
@@ -95,7 +99,8 @@ def setup_parallel(configs: Configs) -> None:
     p = configs.parallel
     device.init_distributed(timeout_s=p.distributed_timeout_minutes * 60)
     initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                              p.virtual_pipeline_model_parallel_size)
+                              p.virtual_pipeline_model_parallel_size,
+                              p.expert_model_parallel_size)
     model_parallel_seed(configs.train.seed, ps.get_tensor_model_parallel_rank(),
                         ps.get_pipeline_model_parallel_rank())
 
@@ -134,6 +139,8 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    moe.step_stats.reset()
+    moe.set_aux_loss_backward_scale(optimizer.loss_scale / shape.num_microbatches)
     losses = run_schedule(forward_step_func, data_iterator, model, configs, shape,
                           forward_only=False, loss_scale=optimizer.loss_scale)
     finalize_model_grads(model)
@@ -220,6 +227,11 @@ class TrainingLogger:
                  f"grad norm {grad_norm:.3f}" if grad_norm is not None else "grad norm n/a"]
         if self.configs.precision.fp16:
             parts.append(f"loss scale {loss_scale:.1f}")
+        if self.configs.model.num_experts:
+            parts += [f"{name} {value:.4g}" for name, value in moe.step_stats.reduce(
+                self.configs.model.num_layers, self.configs.model.num_experts,
+                self.shape.num_microbatches, device.current_device(),
+                ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()).items()]
         parts += [f"ms/iter {1000 * elapsed:.0f}", f"tokens/s {tokens:,.0f}",
                   f"TFLOP/s/device {tflops:.4f}",
                   f"mem {peak_memory_mb(device.current_device()):,.0f} MB",
