@@ -3,6 +3,7 @@
 Layout of `<dir>/iter_<N:07d>/`:
   meta.pt           iteration, consumed samples, model config, parallel layout (rank 0)
   model_pp<P>.pt    full (TP-gathered, unpadded) parameters of pipeline stage P, global names
+  model_pp<P>_ep<E>.pt  the experts of EP rank E > 0 of stage P (MoE; experts by global index)
   rank_<R>.pt       per-rank optimizer (incl. distributed-optimizer shard), scaler, scheduler, RNG
 `<dir>/latest_checkpointed_iteration.txt` names the newest complete iteration.
 
@@ -29,7 +30,7 @@ from megalite.mpu.random import get_rng_tracker
 MARKER = "latest_checkpointed_iteration.txt"
 # Fields that change parameter shapes: a mismatch makes a checkpoint unloadable.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                "vocab_size", "max_position_embeddings", "num_tokentypes")
+                "vocab_size", "max_position_embeddings", "num_tokentypes", "num_experts")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -41,7 +42,9 @@ def _layout() -> dict:
     return {"tp": ps.get_tensor_model_parallel_world_size(),
             "pp": ps.get_pipeline_model_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(),
-            "vpp": ps.get_virtual_pipeline_model_parallel_world_size()}
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+            **({"ep": ps.get_expert_model_parallel_world_size()}
+               if ps.get_expert_model_parallel_world_size() > 1 else {})}
 
 
 def _rng_state() -> dict:
@@ -79,13 +82,16 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    if ps.get_data_parallel_rank() == 0:
+    if ps.get_expert_data_parallel_rank() == 0:  # DP rank 0, and the other EP ranks' experts
         weights = {}
         for chunk in model:
             weights.update(full_state_dict(chunk))
-        if ps.get_tensor_model_parallel_rank() == 0:
-            pp_rank = ps.get_pipeline_model_parallel_rank()
-            torch.save(weights, os.path.join(tmp, f"model_pp{pp_rank:03d}.pt"))
+        ep_rank, pp_rank = ps.get_expert_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        if ep_rank:
+            weights = {k: v for k, v in weights.items() if ".local_experts." in k}
+        if ps.get_tensor_model_parallel_rank() == 0 and (weights or not ep_rank):
+            torch.save(weights, os.path.join(
+                tmp, f"model_pp{pp_rank:03d}" + (f"_ep{ep_rank:03d}" if ep_rank else "") + ".pt"))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": _rng_state()}, os.path.join(tmp, f"rank_{rank:05d}.pt"))
     if rank == 0:
