@@ -17,6 +17,7 @@ from fractions import Fraction
 from megalite.config import Configs, ModelConfig
 from megalite.metrics import flops_per_iteration
 from megalite.models.spec import TransformerSpec
+from megalite.models.stage import pipeline_layer_range
 from megalite.mpu.layers import pad_vocab_size
 
 # Megatron's bytes per parameter: (parameters, gradients, optimizer states); the distributed
@@ -54,12 +55,14 @@ def layer_params(model: ModelConfig, tp: int) -> int:
     return TransformerSpec.from_config(model).layer_params(tp)
 
 
-def stage_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int) -> int:
-    """Parameters on pipeline rank `rank` (all its chunks): its L/p layers, the word (and
-    learned position) embeddings on the first rank, the final norm and the output layer on
-    the last (the tied word-embedding copy only when p > 1)."""
+def stage_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int,
+                 vpp: int = 1, ep: int = 1) -> int:
+    """Parameters on pipeline rank `rank` (all its chunks): its L/p layers (an MoE layer's
+    E / ep experts), the word (and learned position) embeddings on the first rank, the final
+    norm and the output layer on the last (the tied word-embedding copy only when p > 1)."""
     spec = TransformerSpec.from_config(model)
-    count = model.num_layers // pp * spec.layer_params(tp)
+    count = sum(spec.layer_params(tp, layer, ep) for chunk in range(vpp)
+                for layer in range(*pipeline_layer_range(model.num_layers, pp, rank, vpp, chunk)))
     h = model.hidden_size
     word = padded_vocab * h // tp
     if rank == 0:
@@ -151,8 +154,9 @@ class Plan:
     @property
     def total_params(self) -> int:
         model = self.configs.model
-        return (model.num_layers * layer_params(model, 1) + TransformerSpec.from_config(
-            model).non_layer_params(self.padded_vocab, model.max_position_embeddings))
+        spec = TransformerSpec.from_config(model)
+        return (sum(spec.layer_params(1, layer) for layer in range(model.num_layers))
+                + spec.non_layer_params(self.padded_vocab, model.max_position_embeddings))
 
     @property
     def flops(self) -> float:
@@ -274,7 +278,8 @@ def plan(configs: Configs, sequence_parallel: bool = False) -> Plan:
         inflight = inflight_microbatches(schedule, pp, m, v, rank)
         extras = _extras(configs, e, tp, sequence_parallel, padded_vocab, rank == 0,
                          rank == pp - 1, m if gpipe else min(pp, m), m if gpipe else 1)
-        stages[name] = StageMemory(stage_params(configs.model, padded_vocab, tp, pp, rank),
+        stages[name] = StageMemory(stage_params(configs.model, padded_vocab, tp, pp, rank, v,
+                                                par.expert_model_parallel_size),
                                    state, inflight, float(inflight * v * stored), extras, working)
     return Plan(configs, precision, sequence_parallel, schedule, padded_vocab, dp, m,
                 shape.global_batch_size, stages)

@@ -113,46 +113,70 @@ class TransformerSpec:
     def mlp_kwargs(self) -> dict:
         return asdict(self.mlp)
 
-    def is_moe_layer(self, layer: int) -> bool:
+    def is_moe_layer(self, layer: int | None) -> bool:
         """Whether global layer `layer` has the MoE MLP (every moe_layer_freq-th from 0)."""
-        return self.moe is not None and layer % self.moe_layer_freq == 0
+        return self.moe is not None and layer is not None and layer % self.moe_layer_freq == 0
 
     def moe_kwargs(self) -> dict:
         return asdict(self.moe)
 
     # --- counts (Megatron's formulas, generalised to GQA, SwiGLU and biases) ---
 
-    def layer_matmul_params(self) -> int:
-        """Weights of the layer's linear projections: Q, K and V, output, MLP (3 with SwiGLU)."""
-        a, m = self.attention, self.mlp
+    def _mlp_matmul(self, ffn: int) -> int:
+        """Weights of one (dense or expert) MLP of inner size `ffn`: 2 or 3 (SwiGLU) matrices."""
+        return self.mlp.hidden_size * ffn * (3 if self.mlp.activation == "swiglu" else 2)
+
+    def layer_matmul_params(self, layer: int | None = None) -> int:
+        """Weights of the layer's linear projections a token goes through: Q, K and V,
+        output, MLP (3 with SwiGLU); an MoE layer's router, k experts and shared expert."""
+        a = self.attention
         q = a.num_attention_heads * a.kv_channels
         kv = 2 * a.num_query_groups * a.kv_channels
-        mlp_in = (2 if m.activation == "swiglu" else 1) * m.ffn_hidden_size
-        return a.hidden_size * (q + kv) + q * a.hidden_size + m.hidden_size * (mlp_in
-                                                                                + m.ffn_hidden_size)
+        return a.hidden_size * (q + kv) + q * a.hidden_size + self._mlp_active(layer)
 
-    def layer_params(self, tp: int = 1) -> int:
+    def _mlp_active(self, layer: int | None) -> int:
+        if not self.is_moe_layer(layer):
+            return self._mlp_matmul(self.mlp.ffn_hidden_size)
+        m = self.moe
+        return m.hidden_size * m.num_experts + m.topk * self._mlp_matmul(m.ffn_hidden_size) \
+            + self._mlp_matmul(m.shared_expert_size or 0)
+
+    def mlp_params(self, tp: int = 1, layer: int | None = None, ep: int = 1) -> int:
+        """MLP parameters of one layer on one TP (and EP) rank: dense, or router (whole),
+        E / ep experts and the shared expert (split over TP) and its gate (whole)."""
+        if not self.is_moe_layer(layer):
+            m = self.mlp
+            mlp_in = (2 if m.activation == "swiglu" else 1) * m.ffn_hidden_size
+            return self._mlp_matmul(m.ffn_hidden_size) // tp + (
+                mlp_in // tp + m.hidden_size if m.bias else 0)
+        m = self.moe
+        return (m.hidden_size * m.num_experts
+                + m.num_experts // ep * self._mlp_matmul(m.ffn_hidden_size) // tp
+                + self._mlp_matmul(m.shared_expert_size or 0) // tp
+                + (m.hidden_size if m.shared_expert_gate else 0))
+
+    def layer_params(self, tp: int = 1, layer: int | None = None, ep: int = 1) -> int:
         """Parameters of one layer on one TP rank: split weights and biases / tp (KV groups
-        replicated when TP exceeds them), output and MLP-output biases and norms whole."""
-        a, m = self.attention, self.mlp
+        replicated when TP exceeds them), output and MLP-output biases and norms whole; an
+        MoE layer (`layer` given) holds E / ep experts."""
+        a = self.attention
         h, q = a.hidden_size, a.num_attention_heads * a.kv_channels
         kv = 2 * a.num_query_groups * a.kv_channels
         kv_shards = min(tp, a.num_query_groups)
-        mlp_in = (2 if m.activation == "swiglu" else 1) * m.ffn_hidden_size
-        split = (h * q + q * h + h * mlp_in + m.ffn_hidden_size * h) // tp + h * kv // kv_shards
-        split_bias = (q // tp + kv // kv_shards if a.qkv_bias else 0) + (
-            mlp_in // tp if m.bias else 0)
-        whole_bias = (h if a.output_bias else 0) + (h if m.bias else 0)
-        return split + split_bias + whole_bias + 2 * self.norm_params(h)
+        split = (h * q + q * h) // tp + h * kv // kv_shards
+        split_bias = q // tp + kv // kv_shards if a.qkv_bias else 0
+        whole_bias = h if a.output_bias else 0
+        return split + split_bias + whole_bias + 2 * self.norm_params(h) + self.mlp_params(
+            tp, layer, ep)
 
     def norm_params(self, h: int) -> int:
         return 2 * h if self.normalization == "LayerNorm" else h
 
-    def layer_forward_flops(self, seq_length: int) -> float:
-        """Forward FLOPs per token of one layer: 2 per matmul weight, plus attention scores and
-        values 4 s heads d (full s, as Megatron counts)."""
+    def layer_forward_flops(self, seq_length: int, layer: int | None = None) -> float:
+        """Forward FLOPs per token of one layer: 2 per matmul weight a token goes through,
+        plus attention scores and values 4 s heads d (full s, as Megatron counts)."""
         a = self.attention
-        return 2 * self.layer_matmul_params() + 4 * seq_length * a.num_attention_heads \
+        return 2 * self.layer_matmul_params(layer) + 4 * seq_length * a.num_attention_heads \
             * a.kv_channels
 
     def output_forward_flops(self, padded_vocab: int) -> float:
