@@ -143,6 +143,7 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     moe.set_aux_loss_backward_scale(optimizer.loss_scale / shape.num_microbatches)
     losses = run_schedule(forward_step_func, data_iterator, model, configs, shape,
                           forward_only=False, loss_scale=optimizer.loss_scale)
+    moe.set_aux_loss_backward_scale(1.0)  # plain backward() outside a step: the loss as is
     finalize_model_grads(model)
     stepped, grad_norm = optimizer.step()
     return _mean_over_data_parallel(losses, loss_key), stepped, grad_norm

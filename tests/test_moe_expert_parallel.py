@@ -4,12 +4,14 @@ outputs and input grads, the router grad (summed over DP) and every expert's wei
 (summed over its expert-data-parallel group, gathered over TP) within 1e-5; with a capacity
 factor the same number of choices is dropped. Also the dispatch/combine bytes of a uniform
 routing vs the closed form T k h (EP - 1) / EP elements per rank each way, and the process
-grid's expert groups."""
+grid's expert groups and the planner's per-rank MoE parameter count."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.moe import MoELayer, step_stats
+from megalite.config import ModelConfig
+from megalite.models.spec import TransformerSpec
+from megalite.moe import MoELayer, set_aux_loss_backward_scale, step_stats
 from megalite.mpu import comm, initialize_model_parallel
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel
@@ -71,6 +73,7 @@ def _compare(tp: int, ep: int, refs: dict, capacity_factor=None) -> dict:
     x, g = _inputs(d)
     x.requires_grad_()
     step_stats.reset()
+    set_aux_loss_backward_scale(1.0)
     out = layer(x)
     (out * g).sum().backward()
     router_grad = layer.router.weight.grad.clone()
@@ -88,6 +91,10 @@ def _compare(tp: int, ep: int, refs: dict, capacity_factor=None) -> dict:
             comm.all_reduce(grad, ps.get_expert_data_parallel_group())
             expert_errors.append(rel_err(gather_tensor_parallel(grad, param), full.grad))
     errors["expert grads"] = max(expert_errors)
+    spec = TransformerSpec.from_config(ModelConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=4, swiglu=True, num_experts=E,
+        moe_router_topk=K, moe_ffn_hidden_size=FFN, moe_shared_expert_intermediate_size=8))
+    errors["params"] = (sum(p.numel() for p in layer.parameters()), spec.mlp_params(tp, 0, ep))
     return errors
 
 
@@ -129,6 +136,7 @@ def test_moe_layer_at_ep_1_2_4_8_and_ep2_tp2_matches_loop_reference(results):
             for name in ("out", "x grad", "router grad", "expert grads"):
                 assert e[name] < 1e-5, (rank, key, name, e)
             assert e["dropped"][0] == e["dropped"][1], (rank, key, e)
+            assert e["params"][0] == e["params"][1], (rank, key, e)  # planner's count
     assert results[0]["capacity"]["dropped"][1] > 0
     assert results[1][(1, 2)]["experts"] == [4, 5, 6, 7]  # DP rank 1 of its EP block
     print({k: {n: e[n] for n in ("out", "x grad", "router grad", "expert grads")}
