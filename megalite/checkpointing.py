@@ -5,6 +5,8 @@ Layout of `<dir>/iter_<N:07d>/`:
                               dtype, optimizer settings, parallel layout (rank 0)
   model_pp<P>.safetensors     full (TP-gathered, unpadded) parameters of pipeline stage P,
                               global names: readable by any safetensors tool
+  model_pp<P>_ep<E>.safetensors  the experts of EP rank E > 0 of stage P (MoE; experts by
+                              global index)
   rank_<R>.json/.safetensors  per-rank optimizer (incl. distributed-optimizer shard), loss
                               scaler, scheduler and RNG states (checkpoint_io: JSON + tensors)
 `<dir>/latest_checkpointed_iteration.txt` names the newest complete iteration.
@@ -60,8 +62,16 @@ def _published_dir(root: str, iteration: int) -> str:
     return final if os.path.isdir(final) or not os.path.isdir(final + ".old") else final + ".old"
 
 
-def model_file(directory: str, pp_rank: int) -> str:
-    return os.path.join(directory, f"model_pp{pp_rank:03d}.safetensors")
+def model_file(directory: str, pp_rank: int, ep_rank: int = 0) -> str:
+    """Stage `pp_rank`'s weights; for EP rank > 0 only its experts (the rest is in EP rank 0's)."""
+    ep = f"_ep{ep_rank:03d}" if ep_rank else ""
+    return os.path.join(directory, f"model_pp{pp_rank:03d}{ep}.safetensors")
+
+
+def model_files(directory: str, layout: dict) -> list[str]:
+    """Every model file of a checkpoint saved under `layout` (its "pp" and optional "ep")."""
+    return [model_file(directory, stage, ep_rank) for stage in range(layout["pp"])
+            for ep_rank in range(layout.get("ep", 1))]
 
 
 def rank_state_path(directory: str, rank: int) -> str:
@@ -72,7 +82,9 @@ def current_layout() -> dict:
     return {"tp": ps.get_tensor_model_parallel_world_size(),
             "pp": ps.get_pipeline_model_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(),
-            "vpp": ps.get_virtual_pipeline_model_parallel_world_size()}
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+            **({"ep": ps.get_expert_model_parallel_world_size()}
+               if ps.get_expert_model_parallel_world_size() > 1 else {})}
 
 
 def _rng_state() -> dict:
@@ -134,12 +146,16 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
     dist.barrier()
     finite = bool(torch.stack([torch.isfinite(p).all() for c in model for p in c.parameters()])
                   .all())  # one device sync
-    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+    ep_rank = ps.get_expert_model_parallel_rank()
+    if ps.get_expert_data_parallel_rank() == 0:  # DP rank 0, and the other EP ranks' experts
         weights = {}
         for chunk in model:
             weights.update(full_state_dict(chunk))
+        if ep_rank:
+            weights = {k: v for k, v in weights.items() if ".local_experts." in k}
         if ps.get_tensor_model_parallel_rank() == 0 and finite:
-            write_tensors(model_file(tmp, ps.get_pipeline_model_parallel_rank()), weights)
+            write_tensors(model_file(tmp, ps.get_pipeline_model_parallel_rank(), ep_rank),
+                          weights)
     if finite:
         save_state(rank_state_path(tmp, rank), {
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -216,8 +232,8 @@ def verify_checkpoint(root: str, meta: dict, layout: dict, world_size: int,
     the model file of every saved stage and, when the optimizer state applies, every
     rank's state. Raises CheckpointFileError naming the first bad file."""
     directory = _published_dir(root, meta["iteration"])
-    for stage in range(meta["layout"]["pp"]):
-        safetensors_shapes(model_file(directory, stage))
+    for path in model_files(directory, meta["layout"]):
+        safetensors_shapes(path)
     if restores_optimizer(meta, optimizer_settings, layout):
         for rank in range(world_size):
             json_path, tensor_path = state_files(rank_state_path(directory, rank))
@@ -228,8 +244,8 @@ def verify_checkpoint(root: str, meta: dict, layout: dict, world_size: int,
 def read_model_weights(root: str, meta: dict) -> dict[str, torch.Tensor]:
     """The full state dict of every stage of the checkpoint `meta` describes."""
     directory, full = _published_dir(root, meta["iteration"]), {}
-    for stage in range(meta["layout"]["pp"]):
-        full.update(read_tensors(model_file(directory, stage)))
+    for path in model_files(directory, meta["layout"]):
+        full.update(read_tensors(path))
     return full
 
 

@@ -72,6 +72,21 @@ class ModelConfig:
         "uniform", "full recompute: checkpoint groups of N layers (uniform) or only the first "
         "N layers of each stage (block)", choices=("uniform", "block"))
     recompute_num_layers: int = arg(1, "N for --recompute-method")
+    num_experts: int | None = arg(None, "mixture of experts: experts per MoE layer (off: dense)")
+    moe_router_topk: int = arg(2, "experts each token is routed to (k)")
+    moe_ffn_hidden_size: int | None = arg(None, "inner size of each expert (default "
+                                          "--ffn-hidden-size)")
+    moe_shared_expert_intermediate_size: int | None = arg(
+        None, "inner size of the shared expert every token also goes through (off: none)")
+    moe_shared_expert_gate: bool = arg(False, "scale the shared expert by sigmoid(x w) (Qwen2-MoE)")
+    moe_layer_freq: int = arg(1, "every N-th layer (0, N, 2N, ...) is MoE, the others dense")
+    moe_router_score_function: str = arg("softmax", "router scores over the experts",
+                                         choices=("softmax", "sigmoid"))
+    moe_router_topk_renorm: bool = arg(False, "divide the top-k weights by their sum (Mixtral)")
+    moe_aux_loss_coeff: float = arg(0.0, "coefficient of the Switch/GShard load-balancing loss")
+    moe_z_loss_coeff: float = arg(0.0, "coefficient of the router z-loss")
+    moe_expert_capacity_factor: float | None = arg(
+        None, "drop choices over capacity x fair share per expert (default: dropless)")
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
@@ -96,6 +111,14 @@ class ModelConfig:
                              f"multiple of --num-query-groups ({groups})")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dim, got {self.head_dim}")
+        if self.num_experts is not None:
+            if self.num_experts < 1 or not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ValueError(f"--moe-router-topk ({self.moe_router_topk}) must be between 1 "
+                                 f"and --num-experts ({self.num_experts})")
+            if self.moe_layer_freq < 1:
+                raise ValueError(f"--moe-layer-freq must be >= 1, got {self.moe_layer_freq}")
+            if self.moe_ffn_hidden_size is None:
+                self.moe_ffn_hidden_size = self.ffn_hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -128,6 +151,9 @@ class ParallelConfig:
     context_parallel_size: int = arg(1, "context-parallel size: each rank holds 2 load-balanced "
                                      "chunks of every sequence, ring attention",
                                      aliases=("--cp",))
+    expert_model_parallel_size: int = arg(
+        1, "expert-parallel size: experts split over this many DP ranks (must divide DP)",
+        aliases=("--ep",))
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule == "zbv" and self.virtual_pipeline_model_parallel_size is None \

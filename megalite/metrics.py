@@ -12,12 +12,14 @@ def flops_per_iteration(config: ModelConfig, global_batch: int, seq_length: int,
                         padded_vocab: int) -> float:
     """Megatron-LM's training FLOPs per iteration (Narayanan et al. 2021, appendix), from the
     model's spec so GQA's smaller K/V, SwiGLU's third matrix and other widths count:
-    3 x forward (4 x for the layers with full recompute). For GPT-2 shapes this is
+    3 x forward (4 x for the layers with full recompute); MoE layers count the active
+    weights (router, k experts, shared expert). For GPT-2 shapes this is
     72 B s L h^2 (1 + s/(6h) + V/(12 L h)), and 96 B s L h^2 (1 + s/(6h) + V/(16 L h)).
     """
     spec = TransformerSpec.from_config(config)
     layer_passes = 4 if config.recompute_granularity == "full" else 3
-    per_token = (layer_passes * config.num_layers * spec.layer_forward_flops(seq_length)
+    per_token = (layer_passes * sum(spec.layer_forward_flops(seq_length, layer)
+                                    for layer in range(config.num_layers))
                  + 3 * spec.output_forward_flops(padded_vocab))
     return global_batch * seq_length * per_token
 

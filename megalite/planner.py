@@ -22,6 +22,7 @@ from fractions import Fraction
 from megalite.config import Configs, ModelConfig
 from megalite.metrics import flops_per_iteration
 from megalite.models.spec import TransformerSpec
+from megalite.models.stage import pipeline_layer_range
 from megalite.mpu.layers import pad_vocab_size
 from megalite.schedules import resolve_schedule
 from megalite.schedules.accounting import bubble_fraction as simulated_bubble
@@ -62,12 +63,26 @@ def layer_params(model: ModelConfig, tp: int) -> int:
     return TransformerSpec.from_config(model).layer_params(tp)
 
 
-def stage_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int) -> int:
-    """Parameters on pipeline rank `rank` (all its chunks): its L/p layers, the word (and
-    learned position) embeddings on the first rank, the final norm and the output layer on
-    the last (the tied word-embedding copy only when p > 1)."""
+def _stage_layers(model: ModelConfig, pp: int, rank: int, vpp: int) -> list[int]:
+    """Global indices of the layers on pipeline rank `rank` (all its chunks)."""
+    return [layer for chunk in range(vpp)
+            for layer in range(*pipeline_layer_range(model.num_layers, pp, rank, vpp, chunk))]
+
+
+def stage_expert_params(model: ModelConfig, tp: int, pp: int, rank: int, vpp: int = 1,
+                        ep: int = 1) -> int:
+    """MoE expert parameters on pipeline rank `rank`: E / ep experts of each of its MoE layers."""
     spec = TransformerSpec.from_config(model)
-    count = model.num_layers // pp * spec.layer_params(tp)
+    return sum(spec.expert_params(tp, layer, ep) for layer in _stage_layers(model, pp, rank, vpp))
+
+
+def stage_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int,
+                 vpp: int = 1, ep: int = 1) -> int:
+    """Parameters on pipeline rank `rank` (all its chunks): its L/p layers (an MoE layer's
+    E / ep experts), the word (and learned position) embeddings on the first rank, the final
+    norm and the output layer on the last (the tied word-embedding copy only when p > 1)."""
+    spec = TransformerSpec.from_config(model)
+    count = sum(spec.layer_params(tp, layer, ep) for layer in _stage_layers(model, pp, rank, vpp))
     h = model.hidden_size
     word = padded_vocab * h // tp
     if rank == 0:
@@ -91,6 +106,21 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int, act_byte
     if recompute is None:
         per_layer += (2 * e + 1) * a * s * s * b / tp
     return per_layer
+
+
+def moe_activation_delta(s: int, b: int, h: int, tp: int, act_bytes: int, model: ModelConfig
+                         ) -> float:
+    """Bytes an MoE layer keeps for backward per microbatch on one TP rank beyond the dense
+    layer of `activation_bytes_per_layer`: fp32 router logits and scores (8 sbE), the k
+    dispatched copies of each token (e k sbh; uniform routing receives as many rows as it
+    sends), the experts' hidden activations (2 or, SwiGLU, 3 x e k sb ffn_e / t) and the
+    shared expert's, in place of the dense MLP's GeLU input and output (8e sbh / t)."""
+    e, sb = act_bytes, s * b
+    per_row = 3 if model.swiglu else 2
+    hidden = model.moe_router_topk * model.moe_ffn_hidden_size \
+        + (model.moe_shared_expert_intermediate_size or 0)
+    return (8 * sb * model.num_experts + e * model.moe_router_topk * sb * h
+            + per_row * e * sb * hidden / tp - 8 * e * sb * h / tp)
 
 
 def ring_attention_elements(s: int, b: int, kv_groups: int, head_dim: int, cp: int
@@ -154,14 +184,24 @@ class StageMemory:
     layer_activations: float    # stored by the rank's layers, all in-flight microbatches
     extra_activations: float    # embedding dropout mask / final LayerNorm, LM head and logits
     recompute_working: float    # what the backward of one recomputed group adds transiently
+    expert_params: int = 0      # MoE experts among `params`
+    expert_state: StateBytes | None = None  # their bytes per parameter (optimizer over DP / EP)
 
     @property
     def activations(self) -> float:
         return self.layer_activations + self.extra_activations + self.recompute_working
 
     @property
+    def state_bytes(self) -> StateBytes:
+        """Bytes of parameters, gradients and optimizer states on this rank."""
+        dense, expert = self.state, self.expert_state or self.state
+        n, ne = self.params - self.expert_params, self.expert_params
+        return StateBytes(n * dense.params + ne * expert.params, n * dense.grads + ne * expert.grads,
+                          n * dense.optimizer + ne * expert.optimizer)
+
+    @property
     def total(self) -> float:
-        return self.params * self.state.total + self.activations
+        return self.state_bytes.total + self.activations
 
 
 @dataclass(frozen=True)
@@ -187,8 +227,9 @@ class Plan:
     @property
     def total_params(self) -> int:
         model = self.configs.model
-        return (model.num_layers * layer_params(model, 1) + TransformerSpec.from_config(
-            model).non_layer_params(self.padded_vocab, model.max_position_embeddings))
+        spec = TransformerSpec.from_config(model)
+        return (sum(spec.layer_params(1, layer) for layer in range(model.num_layers))
+                + spec.non_layer_params(self.padded_vocab, model.max_position_embeddings))
 
     @property
     def flops(self) -> float:
@@ -294,12 +335,16 @@ def _layer_stack(configs: Configs, layers_per_chunk: int, act_bytes: int, tp: in
         t.seq_length, t.micro_batch_size, model.hidden_size, model.num_attention_heads, tp,
         act_bytes, mode, sp)
     mode, n = model.recompute_granularity, model.recompute_num_layers
+    moe = 0.0
+    if model.num_experts and mode != "full":  # the chunk's MoE layers (at most this many)
+        moe = math.ceil(layers_per_chunk / model.moe_layer_freq) * moe_activation_delta(
+            t.seq_length, t.micro_batch_size, model.hidden_size, tp, act_bytes, model)
     if mode is None:
-        return layers_per_chunk * per(None), 0.0
+        return layers_per_chunk * per(None) + moe, 0.0
     if mode == "selective":
         sbh, e = t.seq_length * t.micro_batch_size * model.hidden_size, act_bytes
         freed = (2 * e + 2) * sbh / (tp if sp else 1) + 9 * e * sbh / tp
-        return layers_per_chunk * per(mode), max(0.0, per(None) - per(mode) - freed)
+        return layers_per_chunk * per(mode) + moe, max(0.0, per(None) - per(mode) - freed)
     group = min(n, layers_per_chunk)
     if model.recompute_method == "uniform":
         return math.ceil(layers_per_chunk / n) * per("full"), group * per(None)
@@ -326,7 +371,10 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
     e = ACTIVATION_BYTES[precision]
     padded_vocab = pad_vocab_size(configs.model.vocab_size,
                                   configs.model.make_vocab_size_divisible_by, tp)
-    state = state_bytes_per_param(precision, configs.optimizer.use_distributed_optimizer, dp)
+    ep = par.expert_model_parallel_size
+    state = state_bytes_per_param(precision, configs.optimizer.use_distributed_optimizer, dp * cp)
+    expert_state = state_bytes_per_param(precision, configs.optimizer.use_distributed_optimizer,
+                                         dp * cp // ep)  # experts: sharded over expert-DP ranks
     stored, working = _layer_stack(configs, configs.model.num_layers // (pp * v), e, tp,
                                    sequence_parallel)
     gpipe = schedule == "gpipe"
@@ -335,8 +383,10 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
         inflight = inflight_microbatches(schedule, pp, m, v, rank)
         extras = _extras(configs, e, tp, sequence_parallel, padded_vocab, rank == 0,
                          rank == pp - 1, m if gpipe else min(pp, m), m if gpipe else 1)
-        stages[name] = StageMemory(stage_params(configs.model, padded_vocab, tp, pp, rank),
+        stages[name] = StageMemory(stage_params(configs.model, padded_vocab, tp, pp, rank, v, ep),
                                    state, inflight, float(inflight * v * stored) / cp,
-                                   extras / cp, working / cp)
+                                   extras / cp, working / cp,
+                                   stage_expert_params(configs.model, tp, pp, rank, v, ep),
+                                   expert_state)
     return Plan(configs, precision, sequence_parallel, schedule, padded_vocab, dp, m,
                 shape.global_batch_size, stages)

@@ -4,10 +4,11 @@ import time
 
 import torch.distributed as dist
 
-from megalite import device
+from megalite import device, moe
 from megalite.config import Configs
 from megalite.log_writers import ScalarWriters
 from megalite.metrics import flops_per_iteration, peak_memory_mb
+from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import pad_vocab_size
 
 
@@ -53,6 +54,7 @@ class TrainingLogger:
         if iteration % t.log_interval and iteration != t.train_iters:
             return
         elapsed = (time.time() - self.start) / self.steps
+        moe_stats = self._moe_stats()
         fields = {
             self.loss_key: sum(self.losses) / len(self.losses) if self.losses else math.nan,
             "learning rate": lr,
@@ -61,19 +63,32 @@ class TrainingLogger:
             "ms per iteration": 1000 * elapsed,
             "tokens per second": self.shape.global_batch_size * t.seq_length / elapsed,
             "TFLOP/s per device": self.flops / elapsed / dist.get_world_size() / 1e12,
-            "peak memory MB": peak_memory_mb(device.current_device())}
+            "peak memory MB": peak_memory_mb(device.current_device()),
+            **moe_stats}
         self.writers.write(fields, iteration)
         parts = [f"iteration {iteration:6d}/{t.train_iters:6d}",
                  f"{self.loss_key} {fields[self.loss_key]:.4E}", f"lr {lr:.3E}",
                  f"grad norm {fields['grad norm']:.3f}" if self.grad_norm is not None else "grad norm n/a"]
         if self.configs.precision.fp16:
             parts.append(f"loss scale {loss_scale:.1f}")
+        parts += [f"{name} {value:.4g}" for name, value in moe_stats.items()]
         parts += [f"ms/iter {fields['ms per iteration']:.0f}",
                   f"tokens/s {fields['tokens per second']:,.0f}",
                   f"TFLOP/s/device {fields['TFLOP/s per device']:.4f}",
                   f"mem {fields['peak memory MB']:,.0f} MB", f"skipped {self.skipped}"]
         log(" | ".join(parts))
         self.losses, self.skipped, self.steps, self.start = [], 0, 0, time.time()
+
+    def _moe_stats(self) -> dict[str, float]:
+        """The last step's router losses, dropped choices and expert imbalance (MoE models;
+        collectives over the pipeline and data-parallel groups)."""
+        m = self.configs.model
+        if not m.num_experts:
+            return {}
+        return moe.step_stats.reduce(m.num_layers, m.num_experts, self.shape.num_microbatches,
+                                     device.current_device(),
+                                     ps.get_pipeline_model_parallel_group(),
+                                     ps.get_data_parallel_group(with_context_parallel=True))
 
     def validation(self, iteration: int, loss: float) -> None:
         perplexity = math.exp(min(20.0, loss))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite import checkpointing, device
+from megalite import checkpointing, device, moe
 from megalite.config import Configs
 from megalite.data.gpt_dataset import check_data
 from megalite.distributed import DistributedDataParallel
@@ -25,6 +25,7 @@ from megalite.mpu.context_parallel import check_sequence_split
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.attention import check_attention_partition
 from megalite.optimizer import get_optimizer, optimizer_settings
+from megalite.moe import check_expert_partition
 from megalite.optimizer.scheduler import check_decay_iters
 from megalite.resilience import ExitSignalHandler, SkipGuard, inject_faults, parse_faults
 from megalite.schedules import get_forward_backward_func, resolve_schedule
@@ -69,6 +70,12 @@ def validate_configs(configs: Configs, world_size: int) -> RunShape:
         raise ValueError(f"--num-layers ({m.num_layers}) must be divisible by --pp x --vpp "
                          f"({chunks})")
     check_attention_partition(m.num_attention_heads, m.query_groups, p.tensor_model_parallel_size)
+    if m.num_experts is not None or p.expert_model_parallel_size > 1:
+        check_expert_partition(m.num_experts or 1, m.moe_router_topk,
+                               p.expert_model_parallel_size, dp)
+        if p.sequence_parallel or p.context_parallel_size > 1:
+            raise ValueError("--num-experts: MoE layers run without --sequence-parallel and "
+                             "with --context-parallel-size 1")
     if m.ffn_hidden_size % p.tensor_model_parallel_size:
         raise ValueError(f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by --tp "
                          f"({p.tensor_model_parallel_size})")
@@ -136,7 +143,8 @@ def setup_parallel(configs: Configs) -> None:
                               v_shape_placement=resolve_schedule(
                                   p.pipeline_schedule, p.pipeline_model_parallel_size,
                                   p.virtual_pipeline_model_parallel_size) == "zbv",
-                              timeout_s=timeout_s)
+                              timeout_s=timeout_s,
+                              expert_model_parallel_size=p.expert_model_parallel_size)
     model_parallel_seed(configs.train.seed, ps.get_tensor_model_parallel_rank(),
                         ps.get_pipeline_model_parallel_rank())
 
@@ -176,8 +184,11 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    moe.step_stats.reset()
+    moe.set_aux_loss_backward_scale(optimizer.loss_scale / shape.num_microbatches)
     losses = run_schedule(forward_step_func, data_iterator, model, configs, shape,
                           forward_only=False, loss_scale=optimizer.loss_scale)
+    moe.set_aux_loss_backward_scale(1.0)  # plain backward() outside a step: the loss as is
     finalize_model_grads(model)
     loss = _mean_over_data_parallel(losses, loss_key)
     stepped, grad_norm = optimizer.step(loss_is_finite=math.isfinite(loss))
@@ -240,7 +251,9 @@ def check_before_start(configs: Configs, world: int, shape: RunShape) -> None:
         checkpointing.check_compatible(meta, configs.model, ckpt.load,
                                        configs.precision.params_dtype)
         layout = {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-                  "dp": shape.data_parallel_size, "vpp": p.virtual_pipeline_model_parallel_size}
+                  "dp": shape.data_parallel_size, "vpp": p.virtual_pipeline_model_parallel_size,
+                  **({"ep": p.expert_model_parallel_size} if p.expert_model_parallel_size > 1
+                     else {})}
         checkpointing.verify_checkpoint(ckpt.load, meta, layout, world,
                                         optimizer_settings(configs.optimizer))
         start = meta["iteration"]

@@ -155,3 +155,7 @@ def test_grid_layout_is_tp_cp_dp_pp():
     assert [grid.cp_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert [grid.coords(r) for r in (0, 3, 4, 7)] == [(0, 0, 0), (0, 0, 0), (0, 1, 0),
                                                       (0, 1, 0)]
+
+
+def test_any_sequence_length_without_context_parallelism():
+    check_sequence_split(9, 1, False, 1)  # odd lengths split only when CP > 1

@@ -241,3 +241,27 @@ def test_plan_tool_prints_a_plan(capsys):
                "--peak-tflops", "312", "--mfu", "0.5"])
     out = capsys.readouterr().out
     assert "fits 80 GiB: yes" in out and "Pipeline bubble: 0.0781" in out
+
+
+def test_moe_expert_states_shard_over_expert_data_parallel_ranks():
+    """EP 2 of DP 4, distributed optimizer: the E / ep experts of each MoE layer count on the
+    rank, and their optimizer states shard over DP / EP = 2 ranks, the rest over DP = 4."""
+    c = configs(layers=4, pp=2, dp=4, distributed=True, precision="fp32")
+    c.model = dataclasses.replace(c.model, num_experts=8, moe_ffn_hidden_size=24,
+                                  moe_layer_freq=2)
+    c.parallel.expert_model_parallel_size = 2
+    first = planner.plan(c).stages["first"]
+    h, experts_per_rank, moe_layers_on_stage = 64, 8 // 2, 1  # layers 0 (MoE) and 1 (dense)
+    assert first.expert_params == moe_layers_on_stage * experts_per_rank * 2 * h * 24
+    dense = first.params - first.expert_params
+    state = first.state_bytes
+    assert state.params == 4 * first.params and state.grads == 4 * first.params
+    assert state.optimizer == dense * 8 / 4 + first.expert_params * 8 / 2
+    # activations: one MoE layer adds router fp32 logits + scores, k dispatched token copies
+    # and k experts' GeLU in/out, less the dense layer's 4h GeLU in/out (e = 4 bytes, fp32)
+    dense_plan = planner.plan(configs(layers=4, pp=2, dp=4, distributed=True, precision="fp32"))
+    s, b, e = 32, 2, 4
+    delta = 8 * s * b * 8 + e * 2 * s * b * h + 2 * e * s * b * 2 * 24 - 8 * e * s * b * h
+    inflight = first.inflight  # 1F1B, PP 2: the first stage holds 2 microbatches
+    assert first.layer_activations == dense_plan.stages["first"].layer_activations \
+        + inflight * delta

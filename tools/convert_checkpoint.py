@@ -7,7 +7,9 @@
 --model-type gpt (GPT-2, default), llama (LlamaForCausalLM directory, or a llama GGUF file as
 --input, e.g. SmolLM2 from `megalite.hf.smollm2_gguf_path()`) or bert (BertModel,
 BertForSequenceClassification or BertForMaskedLM, picked by the head the weights have;
-tokenizer files are not converted).
+tokenizer files are not converted), mixtral or qwen2_moe (MixtralForCausalLM /
+Qwen2MoeForCausalLM directories; experts are stored by global index, so a checkpoint loads
+under any expert-parallel size too).
 megalite checkpoints hold full tensors per pipeline stage, so any of them loads under any
 layout; --target-tp/--target-pp record the layout and split the stage files.
 """
@@ -19,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite import checkpointing  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.hf import bert, gguf, gpt2, llama  # noqa: E402
+from megalite.hf import bert, gguf, gpt2, llama, moe  # noqa: E402
 
 State = dict  # full megalite state dict: parameter name -> tensor
 
@@ -77,10 +79,24 @@ def write_llama(dst: str, full: State, config: ModelConfig, src: str) -> None:
     llama.save_llama_dir(dst, full, config)
 
 
+def read_moe(src: str) -> tuple[ModelConfig, State]:
+    """A transformers MixtralForCausalLM or Qwen2MoeForCausalLM directory."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, dtype="float32")
+    config = moe.moe_config(hf.config)
+    return config, moe.moe_to_megalite(hf.state_dict(), config)
+
+
+def write_moe(dst: str, full: State, config: ModelConfig, src: str) -> None:
+    moe.save_moe_dir(dst, full, config)
+
+
 MODEL_TYPES = {  # name -> (HF directory -> (config, full state), write full state as HF dir)
     "gpt": (read_gpt, write_gpt),
     "bert": (read_bert, write_bert),
     "llama": (read_llama, write_llama),
+    "mixtral": (read_moe, write_moe),
+    "qwen2_moe": (read_moe, write_moe),
 }
 
 

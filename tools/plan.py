@@ -96,10 +96,10 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
         f"{', sequence parallel' if p.sequence_parallel else ''}",
         "", f"Memory per GPU (GiB)                  {'first stage':>12} {'last stage':>12}"]
     first, last = p.stages["first"], p.stages["last"]
-    rows = [(f"parameters ({first.state.params:g} B/param)", lambda s: s.params * s.state.params),
-            (f"gradients ({first.state.grads:g} B/param)", lambda s: s.params * s.state.grads),
+    rows = [(f"parameters ({first.state.params:g} B/param)", lambda s: s.state_bytes.params),
+            (f"gradients ({first.state.grads:g} B/param)", lambda s: s.state_bytes.grads),
             (f"optimizer states ({first.state.optimizer:g} B/param)",
-             lambda s: s.params * s.state.optimizer),
+             lambda s: s.state_bytes.optimizer),
             ("activations of the layers", lambda s: s.layer_activations),
             ("embedding / LM head + logits", lambda s: s.extra_activations),
             ("recompute working set", lambda s: s.recompute_working),
@@ -234,7 +234,7 @@ def validate_memory() -> None:
                 continue
             stage = estimate.stages["first" if r["pp"] == 0 else "last"]
             state = sum(r["state"].values())
-            pairs = ((stage.params * stage.state.total, state),
+            pairs = ((stage.state_bytes.total, state),
                      (stage.activations, r["activations"]),
                      (stage.total, state + r["activations"]))
             print(f"{name:42} {r['pp']:5} " + " ".join(f"{a / mib:6.1f} {b / mib:6.1f}"

@@ -7,7 +7,7 @@ from torch import nn
 
 from megalite.distributed.grad_buffer import Bucket, GradBuffer
 from megalite.models.stage import shared_embedding_params
-from megalite.mpu import parallel_state
+from megalite.mpu import comm, parallel_state
 
 
 class DistributedDataParallel(nn.Module):
@@ -20,6 +20,9 @@ class DistributedDataParallel(nn.Module):
     Inside `no_sync()` grads only accumulate. `finish_grad_sync()` waits for every
     bucket (launching those not yet launched); `zero_grad_buffer()` starts the next step.
     With `use_distributed_optimizer` buckets are padded and reduce-scattered (see GradBuffer).
+    Expert parameters (`expert_parallel`, MoE) get buffers of their own, reduced over the
+    expert-data-parallel group only (their other DP ranks hold other experts), still divided
+    by the full DP size: each expert's grad already sums the tokens of its whole EP group.
     Calls and unknown attributes (`set_input_tensor`, `config`, ...) go to the wrapped module.
     """
 
@@ -36,12 +39,16 @@ class DistributedDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         tied = frozenset(shared_embedding_params(module)) if use_distributed_optimizer \
             else frozenset()
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        expert_group = parallel_state.get_expert_data_parallel_group()
+        by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
         for param in params:
-            by_dtype.setdefault(param.dtype, []).append(param)
-        self.grad_buffers = [GradBuffer(same_dtype, self.data_parallel_group, bucket_size,
-                                        use_distributed_optimizer, tied)
-                             for same_dtype in by_dtype.values()]
+            expert = getattr(param, "expert_parallel", False)
+            by_kind.setdefault((param.dtype, expert), []).append(param)
+        dp = comm.world_size(self.data_parallel_group)
+        self.grad_buffers = [GradBuffer(same_kind, expert_group if expert
+                                        else self.data_parallel_group, bucket_size,
+                                        use_distributed_optimizer, tied, mean_over=dp)
+                             for (_, expert), same_kind in by_kind.items()]
         self._bucket_of: dict[nn.Parameter, Bucket] = {
             p: bucket for bucket in self.buckets() for p in bucket.params}
         self._sync = True

@@ -24,14 +24,17 @@ class Bucket:
     """Elements [start, end) of a GradBuffer, reduced as one collective on the DP `group`.
 
     All-reduce, or with `reduce_scatter` a reduce-scatter that leaves the reduced values
-    in this rank's shard only. Grads are divided by the DP size first (the DP mean).
+    in this rank's shard only. Grads are divided by `mean_over` (default: the group's size)
+    first, the DP mean.
     """
 
     def __init__(self, params: list[nn.Parameter], grad_data: torch.Tensor,
-                 param_data: torch.Tensor | None, start: int, group, reduce_scatter: bool) -> None:
+                 param_data: torch.Tensor | None, start: int, group, reduce_scatter: bool,
+                 mean_over: int | None = None) -> None:
         self.params, self.grad_data, self.param_data = params, grad_data, param_data
         self.start, self.end = start, start + grad_data.numel()
         self.group, self.dp = group, comm.world_size(group)
+        self.mean_over = mean_over or self.dp
         self.rank = dist.get_rank(group) if self.dp > 1 else 0
         self.reduce_scatter = reduce_scatter
         self.reset()
@@ -58,9 +61,10 @@ class Bucket:
     def start_grad_sync(self) -> None:
         """Launch the (async) reduction on the DP group."""
         self.launched = True
+        if self.mean_over > 1:
+            self.grad_data.div_(self.mean_over)
         if self.dp == 1:
             return
-        self.grad_data.div_(self.dp)
         if self.reduce_scatter:
             self.work = comm.reduce_scatter(self._local(self.grad_data), self.grad_data,
                                             self.group, async_op=True)
@@ -90,7 +94,8 @@ class GradBuffer:
     """
 
     def __init__(self, params: list[nn.Parameter], group, bucket_size: int, shard: bool,
-                 all_reduce_params: frozenset = frozenset()) -> None:
+                 all_reduce_params: frozenset = frozenset(), mean_over: int | None = None
+                 ) -> None:
         dp = comm.world_size(group)
         pad = SHARD_ALIGNMENT * dp if shard else 1
         groups = _bucket_groups(params[::-1], bucket_size, all_reduce_params)
@@ -114,7 +119,8 @@ class GradBuffer:
         self.buckets = [
             Bucket(members, self.grad_data[start:end],
                    None if self.param_data is None else self.param_data[start:end], start, group,
-                   reduce_scatter=shard and not all_reduce_params.intersection(members))
+                   reduce_scatter=shard and not all_reduce_params.intersection(members),
+                   mean_over=mean_over)
             for members, start, end in spans]
 
     def reset(self) -> None:

@@ -153,8 +153,9 @@ def llama_to_megalite(hf_state: dict[str, torch.Tensor], config: ModelConfig
         for kind in ("weight", "bias") if config.add_qkv_bias else ("weight",):
             q, k, v = (sd[f"{src}self_attn.{n}_proj.{kind}"] for n in "qkv")
             out.update(_qkv_to_megalite(q, k, v, config, dst + "self_attention.", kind))
-        out[dst + "mlp.dense_h_to_4h.weight"] = torch.cat([sd[src + "mlp.gate_proj.weight"],
-                                                           sd[src + "mlp.up_proj.weight"]])
+        if src + "mlp.gate_proj.weight" in sd:  # dense MLP (MoE layers: megalite.hf.moe)
+            out[dst + "mlp.dense_h_to_4h.weight"] = torch.cat(
+                [sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]])
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -172,8 +173,9 @@ def megalite_to_llama(state: dict[str, torch.Tensor], config: ModelConfig
             for name, tensor in zip("qkv", _qkv_from_megalite(state, config,
                                                               src + "self_attention.", kind)):
                 out[f"{dst}self_attn.{name}_proj.{kind}"] = tensor
-        gate, up = state[src + "mlp.dense_h_to_4h.weight"].chunk(2)
-        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+        if src + "mlp.dense_h_to_4h.weight" in state:
+            gate, up = state[src + "mlp.dense_h_to_4h.weight"].chunk(2)
+            out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -37,6 +37,24 @@ class MLPSpec:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """Keyword arguments of megalite.moe.MoELayer (less init, placement and layer number)."""
+
+    hidden_size: int
+    num_experts: int
+    ffn_hidden_size: int
+    topk: int
+    activation: str
+    score_function: str
+    renormalize: bool
+    aux_loss_coeff: float
+    z_loss_coeff: float
+    capacity_factor: float | None
+    shared_expert_size: int | None
+    shared_expert_gate: bool
+
+
+@dataclass(frozen=True)
 class RotarySpec:
     """Keyword arguments of megalite.mpu.rotary.RotaryEmbedding."""
 
@@ -59,6 +77,8 @@ class TransformerSpec:
     mlp: MLPSpec
     hidden_dropout: float
     tie_output: bool
+    moe: MoESpec | None = None
+    moe_layer_freq: int = 1
 
     @classmethod
     def from_config(cls, c: ModelConfig) -> "TransformerSpec":
@@ -69,6 +89,12 @@ class TransformerSpec:
                            high_freq_factor=c.rope_high_freq_factor,
                            original_max_positions=c.rope_original_max_position_embeddings)
         rope = c.position_embedding_type == "rope"
+        activation = "swiglu" if c.swiglu else c.activation
+        moe = None if c.num_experts is None else MoESpec(
+            c.hidden_size, c.num_experts, c.moe_ffn_hidden_size, c.moe_router_topk, activation,
+            c.moe_router_score_function, c.moe_router_topk_renorm, c.moe_aux_loss_coeff,
+            c.moe_z_loss_coeff, c.moe_expert_capacity_factor,
+            c.moe_shared_expert_intermediate_size, c.moe_shared_expert_gate)
         return cls(
             normalization=c.normalization, norm_epsilon=c.norm_epsilon,
             post_norm=c.post_layernorm, position_embedding=c.position_embedding_type,
@@ -76,10 +102,10 @@ class TransformerSpec:
             attention=AttentionSpec(c.hidden_size, c.num_attention_heads, c.query_groups,
                                     c.head_dim, bias or c.add_qkv_bias, bias, c.causal,
                                     c.attention_dropout),
-            mlp=MLPSpec(c.hidden_size, c.ffn_hidden_size,
-                        "swiglu" if c.swiglu else c.activation, bias),
+            mlp=MLPSpec(c.hidden_size, c.ffn_hidden_size, activation, bias),
             hidden_dropout=c.hidden_dropout,
-            tie_output=not c.untie_embeddings_and_output_weights)
+            tie_output=not c.untie_embeddings_and_output_weights, moe=moe,
+            moe_layer_freq=c.moe_layer_freq)
 
     def attention_kwargs(self) -> dict:
         return asdict(self.attention)
@@ -87,39 +113,75 @@ class TransformerSpec:
     def mlp_kwargs(self) -> dict:
         return asdict(self.mlp)
 
+    def is_moe_layer(self, layer: int | None) -> bool:
+        """Whether global layer `layer` has the MoE MLP (every moe_layer_freq-th from 0)."""
+        return self.moe is not None and layer is not None and layer % self.moe_layer_freq == 0
+
+    def moe_kwargs(self) -> dict:
+        return asdict(self.moe)
+
     # --- counts (Megatron's formulas, generalised to GQA, SwiGLU and biases) ---
 
-    def layer_matmul_params(self) -> int:
-        """Weights of the layer's linear projections: Q, K and V, output, MLP (3 with SwiGLU)."""
-        a, m = self.attention, self.mlp
+    def _mlp_matmul(self, ffn: int) -> int:
+        """Weights of one (dense or expert) MLP of inner size `ffn`: 2 or 3 (SwiGLU) matrices."""
+        return self.mlp.hidden_size * ffn * (3 if self.mlp.activation == "swiglu" else 2)
+
+    def layer_matmul_params(self, layer: int | None = None) -> int:
+        """Weights of the layer's linear projections a token goes through: Q, K and V,
+        output, MLP (3 with SwiGLU); an MoE layer's router, k experts and shared expert."""
+        a = self.attention
         q = a.num_attention_heads * a.kv_channels
         kv = 2 * a.num_query_groups * a.kv_channels
-        mlp_in = (2 if m.activation == "swiglu" else 1) * m.ffn_hidden_size
-        return a.hidden_size * (q + kv) + q * a.hidden_size + m.hidden_size * (mlp_in
-                                                                                + m.ffn_hidden_size)
+        return a.hidden_size * (q + kv) + q * a.hidden_size + self._mlp_active(layer)
 
-    def layer_params(self, tp: int = 1) -> int:
+    def _mlp_active(self, layer: int | None) -> int:
+        if not self.is_moe_layer(layer):
+            return self._mlp_matmul(self.mlp.ffn_hidden_size)
+        m = self.moe
+        return m.hidden_size * m.num_experts + m.topk * self._mlp_matmul(m.ffn_hidden_size) \
+            + self._mlp_matmul(m.shared_expert_size or 0)
+
+    def mlp_params(self, tp: int = 1, layer: int | None = None, ep: int = 1) -> int:
+        """MLP parameters of one layer on one TP (and EP) rank: dense, or router (whole),
+        E / ep experts and the shared expert (split over TP) and its gate (whole)."""
+        if not self.is_moe_layer(layer):
+            m = self.mlp
+            mlp_in = (2 if m.activation == "swiglu" else 1) * m.ffn_hidden_size
+            return self._mlp_matmul(m.ffn_hidden_size) // tp + (
+                mlp_in // tp + m.hidden_size if m.bias else 0)
+        m = self.moe
+        return (m.hidden_size * m.num_experts + self.expert_params(tp, layer, ep)
+                + self._mlp_matmul(m.shared_expert_size or 0) // tp
+                + (m.hidden_size if m.shared_expert_gate else 0))
+
+    def expert_params(self, tp: int = 1, layer: int | None = None, ep: int = 1) -> int:
+        """Parameters of the E / ep experts of one layer on one TP and EP rank (0 if dense)."""
+        if not self.is_moe_layer(layer):
+            return 0
+        return self.moe.num_experts // ep * self._mlp_matmul(self.moe.ffn_hidden_size) // tp
+
+    def layer_params(self, tp: int = 1, layer: int | None = None, ep: int = 1) -> int:
         """Parameters of one layer on one TP rank: split weights and biases / tp (KV groups
-        replicated when TP exceeds them), output and MLP-output biases and norms whole."""
-        a, m = self.attention, self.mlp
+        replicated when TP exceeds them), output and MLP-output biases and norms whole; an
+        MoE layer (`layer` given) holds E / ep experts."""
+        a = self.attention
         h, q = a.hidden_size, a.num_attention_heads * a.kv_channels
         kv = 2 * a.num_query_groups * a.kv_channels
         kv_shards = min(tp, a.num_query_groups)
-        mlp_in = (2 if m.activation == "swiglu" else 1) * m.ffn_hidden_size
-        split = (h * q + q * h + h * mlp_in + m.ffn_hidden_size * h) // tp + h * kv // kv_shards
-        split_bias = (q // tp + kv // kv_shards if a.qkv_bias else 0) + (
-            mlp_in // tp if m.bias else 0)
-        whole_bias = (h if a.output_bias else 0) + (h if m.bias else 0)
-        return split + split_bias + whole_bias + 2 * self.norm_params(h)
+        split = (h * q + q * h) // tp + h * kv // kv_shards
+        split_bias = q // tp + kv // kv_shards if a.qkv_bias else 0
+        whole_bias = h if a.output_bias else 0
+        return split + split_bias + whole_bias + 2 * self.norm_params(h) + self.mlp_params(
+            tp, layer, ep)
 
     def norm_params(self, h: int) -> int:
         return 2 * h if self.normalization == "LayerNorm" else h
 
-    def layer_forward_flops(self, seq_length: int) -> float:
-        """Forward FLOPs per token of one layer: 2 per matmul weight, plus attention scores and
-        values 4 s heads d (full s, as Megatron counts)."""
+    def layer_forward_flops(self, seq_length: int, layer: int | None = None) -> float:
+        """Forward FLOPs per token of one layer: 2 per matmul weight a token goes through,
+        plus attention scores and values 4 s heads d (full s, as Megatron counts)."""
         a = self.attention
-        return 2 * self.layer_matmul_params() + 4 * seq_length * a.num_attention_heads \
+        return 2 * self.layer_matmul_params(layer) + 4 * seq_length * a.num_attention_heads \
             * a.kv_channels
 
     def output_forward_flops(self, padded_vocab: int) -> float:

@@ -17,6 +17,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.models.spec import TransformerSpec
+from megalite.moe import MoELayer
 from megalite.mpu.attention import ParallelAttention
 from megalite.mpu.layers import (init_method_normal, scaled_init_method_normal,
                                  set_tensor_model_parallel_attributes)
@@ -76,7 +77,12 @@ class ParallelTransformerLayer(nn.Module):
         self.self_attention = ParallelAttention(**spec.attention_kwargs(), **kw)
         self.post_attention_layernorm = layer_norm(config, params_dtype, device,
                                                    sequence_parallel)
-        self.mlp = ParallelMLP(**spec.mlp_kwargs(), **kw)
+        if spec.is_moe_layer(layer_number):  # validate_configs refuses MoE with SP
+            kw.pop("sequence_parallel")
+            self.mlp = MoELayer(**spec.moe_kwargs(), layer_number=layer_number,
+                                init_std=config.init_method_std, **kw)
+        else:
+            self.mlp = ParallelMLP(**spec.mlp_kwargs(), **kw)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.hidden_dropout, self.training, self.sequence_parallel)

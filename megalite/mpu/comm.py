@@ -5,6 +5,7 @@ bytes each collective was given (per kind), so benchmarks and tests can compare 
 traffic with closed forms; `count_bytes()` scopes a fresh count.
 """
 import contextlib
+import math
 from collections import Counter
 from collections.abc import Iterator
 
@@ -85,3 +86,23 @@ def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
         fn = dist.isend if kind == "send" else dist.irecv
         p2p.append(dist.P2POp(fn, tensor, peer, group))
     return dist.batch_isend_irecv(p2p) if p2p else []
+
+
+def all_to_all_single(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                      group, kind: str = "all_to_all") -> torch.Tensor:
+    """Rows [sum(input_splits), ...] -> rows [sum(output_splits), ...] over `group`: this rank
+    sends input_splits[i] rows to group rank i and receives output_splits[i] from it.
+
+    Counts (under `kind`) only the bytes that leave this rank: the rows kept for itself
+    travel no link.
+    """
+    out = tensor.new_empty((sum(output_splits),) + tuple(tensor.shape[1:]))
+    size = world_size(group)
+    if size == 1:
+        out.copy_(tensor)
+        return out
+    row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+    own = input_splits[dist.get_rank(group)]
+    bytes_moved[kind] += (sum(input_splits) - own) * row_bytes
+    dist.all_to_all_single(out, tensor.contiguous(), output_splits, input_splits, group=group)
+    return out

@@ -17,7 +17,7 @@ def check_sequence_split(seq_length: int, tensor_model_parallel_size: int,
     tp, cp = tensor_model_parallel_size, context_parallel_size
     if sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if seq_length % (2 * cp):
+    if cp > 1 and seq_length % (2 * cp):
         raise ValueError(f"--seq-length ({seq_length}) must be divisible by 2 x "
                          f"--context-parallel-size ({2 * cp}) (load-balanced chunks)")
     if sequence_parallel and (seq_length // cp) % tp:

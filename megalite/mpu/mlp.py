@@ -36,13 +36,14 @@ class ParallelMLP(nn.Module):
                                                input_is_parallel=True,
                                                init_method=output_init_method, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden, _ = self.dense_h_to_4h(x)
+    def activate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The activation on this rank's [..., (2 x) ffn/tp] first-projection output."""
         if self.activation == "swiglu":
             gate, up = hidden.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
-        else:
-            hidden = F.gelu(hidden, approximate="tanh" if self.activation == "gelu_tanh"
-                            else "none")
-        out, _ = self.dense_4h_to_h(hidden)
+            return F.silu(gate) * up
+        return F.gelu(hidden, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.dense_h_to_4h(x)
+        out, _ = self.dense_4h_to_h(self.activate(hidden))
         return out

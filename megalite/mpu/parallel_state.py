@@ -5,6 +5,11 @@ rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank)). The embedding g
 holds the first and last stage of each pipeline group (the tied word embedding lives on
 both). Parameters are replicated over DP and CP, so their grads are reduced over the
 DP x CP group (`get_data_parallel_group(with_context_parallel=True)`).
+
+Expert parallelism (EP) is carved out of DP as in Megatron-core: consecutive blocks of EP
+data-parallel ranks form an expert-model-parallel group (experts split over it), and the
+ranks with the same place in their block form the expert-data-parallel group (DP / EP ranks
+holding the same experts, over which expert grads are reduced). EP needs CP = 1.
 """
 import datetime
 import itertools
@@ -24,6 +29,7 @@ class GridLayout:
     pp: int
     dp: int
     cp: int = 1
+    ep: int = 1
 
     def rank(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
         return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
@@ -74,6 +80,15 @@ class GridLayout:
     def embedding_groups(self) -> list[list[int]]:
         return [sorted({g[0], g[-1]}) for g in self.pipeline_groups()]
 
+    def expert_model_groups(self) -> list[list[int]]:
+        """Blocks of `ep` consecutive DP ranks (same TP rank and stage): experts split over."""
+        return [group[block:block + self.ep] for group in self.data_groups()
+                for block in range(0, self.dp, self.ep)]
+
+    def expert_data_groups(self) -> list[list[int]]:
+        """DP ranks at the same place of their EP block: they hold the same experts."""
+        return [group[i::self.ep] for group in self.data_groups() for i in range(self.ep)]
+
 
 def validate_sizes(world_size: int, tensor_model_parallel_size: int,
                    pipeline_model_parallel_size: int,
@@ -98,7 +113,7 @@ def validate_sizes(world_size: int, tensor_model_parallel_size: int,
 class _State:
     layout: GridLayout | None = None
     tp_group = dp_group = pp_group = model_group = embedding_group = None
-    cp_group = dp_cp_group = None
+    cp_group = dp_cp_group = ep_group = expert_dp_group = None
     tp_ranks: list[int] = []
     dp_ranks: list[int] = []
     cp_ranks: list[int] = []
@@ -128,14 +143,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
                               context_parallel_size: int = 1,
                               v_shape_placement: bool = False,
-                              timeout_s: float | None = None) -> None:
-    """Build the TP/CP/DP/DPxCP/PP/model/embedding groups on the default process group.
+                              timeout_s: float | None = None,
+                              expert_model_parallel_size: int = 1) -> None:
+    """Build the TP/CP/DP/DPxCP/PP/model/embedding (and expert) groups on the default
+    process group.
 
     v_shape_placement: the two chunks of pipeline rank r hold stages r and 2p-1-r (the zbv
     schedule; needs virtual_pipeline_model_parallel_size 2) instead of r and p + r.
     Every group waits at most `timeout_s` seconds in a collective or p2p operation (default:
     the bound megalite.device.init_distributed gave the default group), so a hang in any of
-    them ends the job with an error.
+    them ends the job with an error. With EP = 1 no expert groups are built: the expert-DP
+    group is the DP x CP group.
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel: torch.distributed is not initialized "
@@ -143,8 +161,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = validate_sizes(world, tensor_model_parallel_size, pipeline_model_parallel_size,
                         virtual_pipeline_model_parallel_size, context_parallel_size)
+    ep = expert_model_parallel_size
+    if dp % ep:
+        raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel "
+                         f"size ({dp}): EP ranks are carved out of DP")
+    if ep > 1 and context_parallel_size > 1:
+        raise ValueError(f"--expert-model-parallel-size ({ep}) needs --context-parallel-size 1 "
+                         f"(got {context_parallel_size})")
+    if v_shape_placement and virtual_pipeline_model_parallel_size != 2:
+        raise ValueError(f"V-shape placement needs 2 model chunks per pipeline rank, got "
+                         f"--vpp {virtual_pipeline_model_parallel_size}")
     layout = GridLayout(tensor_model_parallel_size, pipeline_model_parallel_size, dp,
-                        context_parallel_size)
+                        context_parallel_size, ep)
     _S.layout = layout
     timeout = process_group_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     _S.tp_group, _S.tp_ranks = _new_groups(layout.tensor_groups(), rank, timeout)
@@ -154,9 +182,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     _S.pp_group, _S.pp_ranks = _new_groups(layout.pipeline_groups(), rank, timeout)
     _S.model_group, _ = _new_groups(layout.model_groups(), rank, timeout)
     _S.embedding_group, _S.embedding_ranks = _new_groups(layout.embedding_groups(), rank, timeout)
-    if v_shape_placement and virtual_pipeline_model_parallel_size != 2:
-        raise ValueError(f"V-shape placement needs 2 model chunks per pipeline rank, got "
-                         f"--vpp {virtual_pipeline_model_parallel_size}")
+    if ep > 1:
+        _S.ep_group, _ = _new_groups(layout.expert_model_groups(), rank, timeout)
+        _S.expert_dp_group, _ = _new_groups(layout.expert_data_groups(), rank, timeout)
+    else:
+        _S.ep_group, _S.expert_dp_group = None, _S.dp_cp_group
     _S.virtual_size = virtual_pipeline_model_parallel_size
     _S.virtual_rank = 0 if virtual_pipeline_model_parallel_size else None
     _S.v_shape = v_shape_placement
@@ -168,12 +198,14 @@ def model_parallel_is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     """Forget every group so a test can initialise another layout."""
+    destroyed = []
     for name in ("tp_group", "dp_group", "pp_group", "model_group", "embedding_group",
-                 "cp_group", "dp_cp_group"):
+                 "cp_group", "dp_cp_group", "ep_group", "expert_dp_group"):
         group = getattr(_S, name)
-        if group is not None and dist.is_initialized():
-            dist.destroy_process_group(group)
         setattr(_S, name, None)
+        if group is not None and dist.is_initialized() and group not in destroyed:
+            dist.destroy_process_group(group)
+            destroyed.append(group)  # the expert-DP group may be the DP x CP group
     _S.layout = None
     _S.virtual_size = _S.virtual_rank = None
     _S.v_shape = False
@@ -331,3 +363,31 @@ def get_pipeline_model_parallel_next_rank() -> int:
 def get_pipeline_model_parallel_prev_rank() -> int:
     ranks = _S.pp_ranks
     return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
+
+
+def get_expert_model_parallel_group():
+    """The EP ranks this rank's experts are split over (a block of the DP group)."""
+    return _group("ep_group")
+
+
+def get_expert_data_parallel_group():
+    """The DP / EP ranks holding the same experts (expert grads are reduced here)."""
+    return _group("expert_dp_group")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _layout().ep if _S.layout else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_data_parallel_rank() % get_expert_model_parallel_world_size()
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return get_data_parallel_world_size(with_context_parallel=True) \
+        // get_expert_model_parallel_world_size()
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_data_parallel_rank(with_context_parallel=True) \
+        // get_expert_model_parallel_world_size()

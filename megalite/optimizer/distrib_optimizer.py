@@ -34,6 +34,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return [self.model_chunks[0].data_parallel_group,
                 parallel_state.get_model_parallel_group()]
 
+    def _expert_stats_groups(self) -> list:
+        """None: expert shards lie over expert-DP x EP = the DP group, reduced with the rest."""
+        return []
+
     def _copy_main_to_model(self) -> None:
         super()._copy_main_to_model()
         for chunk in self.model_chunks:

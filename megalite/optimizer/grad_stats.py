@@ -23,15 +23,25 @@ def counts_toward_norm(param: nn.Parameter) -> bool:
     return rank == 0
 
 
-def global_grad_norm(grads: list[torch.Tensor], groups: list, device: torch.device) -> float:
-    """sqrt(sum of squares of `grads`), the sum all-reduced over each of `groups` in turn.
+def global_grad_norm(grads: list[torch.Tensor], groups: list, device: torch.device,
+                     expert_grads: list[torch.Tensor] = (), expert_groups: list = ()) -> float:
+    """sqrt(sum of squares of `grads` and `expert_grads`), the sum all-reduced over each of
+    `groups` in turn, the experts' part first over each of `expert_groups`.
 
     `grads` are this rank's counted grads (see counts_toward_norm); `groups` the
     model-parallel group, preceded by the DP group when each rank holds a shard.
+    `expert_grads` (MoE experts, `expert_parallel`) differ across the EP group: their sum
+    is first all-reduced there (`expert_groups`), unless the DP reduction already covers it.
     """
     total = torch.zeros((), dtype=torch.float32, device=device)
+    experts = torch.zeros((), dtype=torch.float32, device=device)
+    if expert_grads:
+        experts += torch.nn.utils.get_total_norm(expert_grads).float() ** 2
+    for group in expert_groups:
+        comm.all_reduce(experts, group)
     if grads:
         total += torch.nn.utils.get_total_norm(grads).float() ** 2
+    total += experts
     for group in groups:
         comm.all_reduce(total, group)
     return total.sqrt().item()

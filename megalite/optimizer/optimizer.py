@@ -140,6 +140,10 @@ class MixedPrecisionOptimizer:
     def settings(self) -> dict:
         return optimizer_settings(self.config)
 
+    def _expert_stats_groups(self) -> list:
+        """Where the experts' part is reduced first: the EP group (other experts)."""
+        return [parallel_state.get_expert_model_parallel_group()]
+
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
@@ -164,7 +168,7 @@ class MixedPrecisionOptimizer:
             inv_scale = torch.full((1,), 1.0 / self.scaler.scale, device=self._device())
             torch._amp_foreach_non_finite_check_and_unscale_(
                 [f.grad for f in self.fragments], found_inf, inv_scale)
-        return found_inf_anywhere(found_inf, self._stats_groups())
+        return found_inf_anywhere(found_inf, self._expert_stats_groups() + self._stats_groups())
 
     @torch.no_grad()
     def step(self, loss_is_finite: bool = True) -> tuple[bool, float | None]:
@@ -183,9 +187,12 @@ class MixedPrecisionOptimizer:
                 return False, None
         if not loss_is_finite:
             return False, None
+        counted = [f for f in self.fragments if counts_toward_norm(f.model_param)]
+        expert = [getattr(f.model_param, "expert_parallel", False) for f in counted]
         grad_norm = global_grad_norm(
-            [f.grad for f in self.fragments if counts_toward_norm(f.model_param)],
-            self._stats_groups(), self._device())
+            [f.grad for f, e in zip(counted, expert) if not e], self._stats_groups(),
+            self._device(), [f.grad for f, e in zip(counted, expert) if e],
+            self._expert_stats_groups())
         if not math.isfinite(grad_norm):
             return False, grad_norm
         if self.clip_grad > 0 and self.clip_grad / (grad_norm + 1e-6) < 1.0:  # scale only when clipping

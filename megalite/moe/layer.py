@@ -1,0 +1,119 @@
+"""The mixture-of-experts MLP: router, all-to-all dispatch over the EP group, local experts,
+optional (gated) shared expert, auxiliary losses.
+
+Experts are carved out over the expert-model-parallel (EP) group (E / EP per rank, named by
+their global index: `experts.local_experts.{e}...`, so full state dicts of EP ranks merge
+by key); each expert's FFN is split over TP like the dense MLP (all TP ranks of a group
+route the same tokens; one all-reduce on the TP group after the local experts).
+"""
+import torch
+from torch import nn
+
+from megalite.moe.dispatcher import combine, dispatch, expert_capacity, plan_dispatch
+from megalite.moe.router import TopKRouter, load_balancing_loss, z_loss
+from megalite.moe.stats import attach_aux_loss, step_stats
+from megalite.mpu import comm, parallel_state
+from megalite.mpu.layers import InitMethod, init_method_normal, \
+    set_tensor_model_parallel_attributes
+from megalite.mpu.mappings import (copy_to_tensor_model_parallel_region,
+                                   reduce_from_tensor_model_parallel_region)
+from megalite.mpu.mlp import ParallelMLP
+from megalite.mpu.random import seeded
+
+
+def check_expert_partition(num_experts: int, topk: int, ep: int, dp: int) -> None:
+    """One ValueError line for a layout the experts cannot take."""
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"--moe-router-topk ({topk}) must be between 1 and --num-experts "
+                         f"({num_experts})")
+    if num_experts % ep:
+        raise ValueError(f"--num-experts ({num_experts}) must be divisible by "
+                         f"--expert-model-parallel-size ({ep})")
+    if dp % ep:
+        raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel "
+                         f"size ({dp}): EP ranks are carved out of DP")
+
+
+class MoELayer(nn.Module):
+    """forward(x [s, b, h]) -> [s, b, h].
+
+    Every token goes to its top-k experts (dropless, or at most `capacity_factor` x its
+    fair share of this rank's choices per expert); the output is the router-weighted sum of
+    their outputs, plus the shared expert's (times sigmoid(gate(x)) when gated). In training
+    the aux (load-balancing) and z losses, times their coefficients, get their gradient
+    through `attach_aux_loss`; their values are recorded per layer in `step_stats`.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, ffn_hidden_size: int, topk: int,
+                 activation: str = "swiglu", score_function: str = "softmax",
+                 renormalize: bool = False, aux_loss_coeff: float = 0.0,
+                 z_loss_coeff: float = 0.0, capacity_factor: float | None = None,
+                 shared_expert_size: int | None = None, shared_expert_gate: bool = False,
+                 layer_number: int = 0, init_method: InitMethod | None = None,
+                 output_init_method: InitMethod | None = None, init_std: float = 0.02,
+                 group=None, expert_group=None, params_dtype: torch.dtype = torch.float32,
+                 device=None) -> None:
+        super().__init__()
+        self.expert_group = (parallel_state.get_expert_model_parallel_group()
+                             if expert_group is None else expert_group)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group() if group is None \
+            else group
+        ep = comm.world_size(self.expert_group)
+        check_expert_partition(num_experts, topk, ep, ep)
+        self.num_experts, self.topk, self.layer_number = num_experts, topk, layer_number
+        self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
+        self.capacity_factor = capacity_factor
+        self.router = TopKRouter(hidden_size, num_experts, topk, score_function, renormalize,
+                                 init_std, params_dtype, device)
+        seeds = torch.randint(0, 2 ** 31 - 1, (num_experts,)).tolist()
+        local = num_experts // ep
+        first = local * (torch.distributed.get_rank(self.expert_group) if ep > 1 else 0)
+        kw = dict(activation=activation, bias=False, init_method=init_method,
+                  output_init_method=output_init_method, group=group,
+                  params_dtype=params_dtype, device=device)
+        experts = {}
+        for e in range(first, first + local):
+            with seeded(seeds[e]):
+                experts[str(e)] = ParallelMLP(hidden_size, ffn_hidden_size, **kw)
+        self.local_experts = nn.ModuleDict(experts)
+        for param in self.local_experts.parameters():
+            param.expert_parallel = True
+        self.shared_experts = ParallelMLP(hidden_size, shared_expert_size, **kw) \
+            if shared_expert_size else None
+        self.shared_expert_gate = None
+        if shared_expert_gate:
+            gate = torch.empty(1, hidden_size)
+            (init_method or init_method_normal(init_std))(gate)
+            self.shared_expert_gate = nn.Parameter(gate.to(device=device, dtype=params_dtype))
+            set_tensor_model_parallel_attributes(self.shared_expert_gate, False)
+
+    def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by local expert [M, h] -> their outputs [M, h]: one matmul pair per
+        expert (also for an expert with no rows, so every expert has a grad)."""
+        rows = copy_to_tensor_model_parallel_region(rows, self.tp_group)
+        outs = [nn.functional.linear(mlp.activate(nn.functional.linear(
+                    part, mlp.dense_h_to_4h.weight)), mlp.dense_4h_to_h.weight)
+                for mlp, part in zip(self.local_experts.values(), rows.split(counts))]
+        return reduce_from_tensor_model_parallel_region(torch.cat(outs), self.tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, indices, scores, logits = self.router(tokens)
+        capacity = None if self.capacity_factor is None else expert_capacity(
+            tokens.shape[0], self.topk, self.num_experts, self.capacity_factor)
+        plan = plan_dispatch(indices, weights, self.num_experts, capacity, self.expert_group)
+        rows = dispatch(tokens, plan, self.expert_group)
+        out = combine(self._run_experts(rows, plan.tokens_per_local_expert), plan,
+                      tokens.shape[0], self.expert_group)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(nn.functional.linear(tokens, self.shared_expert_gate)) \
+                    * shared
+            out = out + shared
+        aux, z = load_balancing_loss(scores, indices, self.topk), z_loss(logits)
+        if torch.is_grad_enabled():
+            step_stats.record(self.layer_number, aux, z, plan.dropped, plan.tokens_per_expert)
+            if self.aux_loss_coeff or self.z_loss_coeff:
+                out = attach_aux_loss(out, self.aux_loss_coeff * aux + self.z_loss_coeff * z)
+        return out.view_as(x)

@@ -1,0 +1,102 @@
+"""Router and auxiliary losses vs the explicit reference (tests/moe_reference.py): top-k
+choice and weights (softmax / sigmoid, with and without renormalisation, ties to the lower
+index), load-balancing loss with an expert that gets no token, z-loss; the single-process
+MoE layer vs a per-token loop; and one-line errors for impossible expert layouts."""
+import pytest
+import torch
+
+from megalite.config import ModelConfig, ParallelConfig
+from megalite.moe import MoELayer, load_balancing_loss, topk_routing, z_loss
+from megalite.moe.router import tokens_per_expert
+from tests import moe_reference as ref
+from tests.reference import rel_err
+
+
+@pytest.mark.parametrize("score,renorm", [("softmax", False), ("softmax", True),
+                                          ("sigmoid", False), ("sigmoid", True)])
+def test_topk_choice_and_weights_match_reference(score, renorm):
+    logits = torch.randn(10, 6, generator=torch.Generator().manual_seed(0))
+    logits[3] = torch.tensor([0.5, 2.0, 2.0, 2.0, -1.0, 0.5])  # a three-way tie for the top
+    logits[4] = 0.0                                             # all tied
+    weights, indices, scores = topk_routing(logits, 2, score, renorm)
+    choices, ref_scores = ref.route(logits, 2, score, renorm)
+    assert indices.tolist() == [[e for e, _ in row] for row in choices]
+    assert indices[3].tolist() == [1, 2] and indices[4].tolist() == [0, 1]
+    want = torch.stack([torch.stack([w for _, w in row]) for row in choices])
+    assert rel_err(weights, want) < 1e-6 and rel_err(scores, ref_scores) < 1e-6
+
+
+def test_aux_and_z_loss_match_reference_with_an_idle_expert():
+    logits = torch.randn(12, 5, generator=torch.Generator().manual_seed(1))
+    logits[:, 4] = -30.0  # expert 4 is never chosen
+    for score in ("softmax", "sigmoid"):
+        _, indices, scores = topk_routing(logits, 2, score)
+        assert tokens_per_expert(indices, 5)[4] == 0
+        choices, ref_scores = ref.route(logits, 2, score, False)
+        assert rel_err(load_balancing_loss(scores, indices, 2),
+                       ref.aux_loss(ref_scores, choices, 2)) < 1e-6
+    assert rel_err(z_loss(logits), ref.z_loss(logits)) < 1e-6
+    uniform = torch.zeros(8, 4)
+    _, indices, scores = topk_routing(uniform + torch.eye(4).repeat(2, 1), 1)
+    assert abs(load_balancing_loss(scores, indices, 1).item() - 1.0) < 1e-6  # balanced: 1
+
+
+def layer_weights(layer: MoELayer) -> dict:
+    """The layer's full weights (single process) as the reference's dict."""
+    weights = {"router": layer.router.weight,
+               "experts": [(m.dense_h_to_4h.weight, m.dense_4h_to_h.weight)
+                           for m in layer.local_experts.values()]}
+    if layer.shared_experts is not None:
+        weights["shared"] = (layer.shared_experts.dense_h_to_4h.weight,
+                             layer.shared_experts.dense_4h_to_h.weight)
+    if layer.shared_expert_gate is not None:
+        weights["shared_gate"] = layer.shared_expert_gate
+    return weights
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(capacity_factor=1.0),
+                                dict(shared_expert_size=24, shared_expert_gate=True,
+                                     renormalize=True, score_function="sigmoid")])
+def test_single_process_layer_matches_loop_outputs_and_grads(kw):
+    torch.manual_seed(0)
+    layer = MoELayer(16, 4, 24, 2, aux_loss_coeff=0.1, z_loss_coeff=0.01, **kw)
+    x = torch.randn(5, 2, 16, requires_grad=True)
+    out = layer(x)
+    (out.square().sum()).backward()
+    x_ref = x.detach().clone().requires_grad_()
+    w = layer_weights(layer)
+    ref_out, aux, z, dropped = ref.moe_forward(
+        x_ref.reshape(-1, 16), w, 2, kw.get("score_function", "softmax"),
+        kw.get("renormalize", False), kw.get("capacity_factor"))
+    if kw.get("capacity_factor"):
+        assert dropped > 0
+    grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    (ref_out.square().sum() + 0.1 * aux + 0.01 * z).backward()
+    assert rel_err(out.reshape(-1, 16), ref_out) < 1e-5
+    assert rel_err(x.grad, x_ref.grad) < 1e-5
+    for got, param in zip(grads, layer.parameters()):
+        assert rel_err(got, param.grad) < 1e-5
+
+
+def test_bad_expert_layouts_fail_with_one_line():
+    from megalite.config import (CheckpointConfig, Configs, DataConfig, OptimizerConfig,
+                                 PrecisionConfig, TrainConfig)
+    from megalite.training import validate_configs
+    with pytest.raises(ValueError, match=r"^--moe-router-topk \(5\) must be between 1 and "
+                                         r"--num-experts \(4\)$"):
+        ModelConfig(num_experts=4, moe_router_topk=5)
+
+    def check(experts: int, ep: int, world: int) -> str:
+        configs = Configs(ModelConfig(num_experts=experts, num_layers=2),
+                          ParallelConfig(expert_model_parallel_size=ep), PrecisionConfig(),
+                          OptimizerConfig(), TrainConfig(seq_length=64), DataConfig(),
+                          CheckpointConfig())
+        with pytest.raises(ValueError) as error:
+            validate_configs(configs, world)
+        assert "\n" not in str(error.value)
+        return str(error.value)
+    assert check(6, 4, 8) == "--num-experts (6) must be divisible by " \
+                             "--expert-model-parallel-size (4)"
+    assert check(8, 4, 6) == "--expert-model-parallel-size (4) must divide the data-parallel " \
+                             "size (6): EP ranks are carved out of DP"

@@ -1,0 +1,162 @@
+"""MoE training step: megalite vs transformers' Mixtral, and vs the dense model with the same
+active parameters (fp32, one process, CPU or one GPU).
+
+    python tools/bench_moe.py                      # 2 layers, h 256, 8 experts, top-2
+    python tools/bench_moe.py --device cuda --hidden-size 1024 --seq-length 1024
+
+Same random weights in both MoE models (a transformers MixtralForCausalLM built from a config,
+copied into megalite with megalite.hf.moe; nothing is downloaded). The dense model is the
+Llama spec with an MLP of k x the expert size (the active expert parameters; the router's
+E h is the only difference). One step = zero grads, forward, loss, backward, AdamW step
+(torch.optim.AdamW on plain models: the same optimizer for all three). Steps alternate
+after warm-up; medians are reported. The routing and permutation share is measured apart:
+router (linear, scores, top-k, aux and z losses) and plan + dispatch + combine around an
+identity expert, forward and backward, on one layer's tokens, times the MoE layers, over
+megalite's step time. Prints figures; asserts only that the models agree at the start.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from megalite.hf.moe import moe_config, moe_to_megalite  # noqa: E402
+from megalite.models import GPTModel  # noqa: E402
+from megalite.models.sharding import load_full_state_dict  # noqa: E402
+from megalite.moe.dispatcher import combine, dispatch, plan_dispatch  # noqa: E402
+from megalite.moe.router import load_balancing_loss, z_loss  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=512)
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args()
+
+
+def hf_mixtral(args):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                        intermediate_size=args.moe_ffn_hidden_size,
+                        num_hidden_layers=args.num_layers,
+                        num_attention_heads=args.num_attention_heads,
+                        num_key_value_heads=args.num_attention_heads,
+                        num_local_experts=args.num_experts, num_experts_per_tok=args.topk,
+                        max_position_embeddings=args.seq_length)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 3:
+                param.normal_(0, 0.02)  # transformers leaves the fused experts uninitialised
+    return model
+
+
+def step_fn(model, tokens, hf: bool):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        if hf:
+            logits = model(input_ids=inputs).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        else:
+            loss = model(inputs, labels).mean()
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return step
+
+
+def timed(step, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def routing_time(layer, x, device, repeats: int = 5) -> float:
+    """Median seconds of router + plan + dispatch + combine (identity experts), fwd + bwd."""
+    router = layer.router
+
+    def once():
+        tokens = x.detach().requires_grad_()
+        weights, indices, scores, logits = router(tokens)
+        plan = plan_dispatch(indices, weights, layer.num_experts)
+        out = combine(dispatch(tokens, plan), plan, tokens.shape[0])
+        (out.sum() + load_balancing_loss(scores, indices, layer.topk) + z_loss(logits)
+         ).backward()
+    once()
+    return statistics.median(timed(once, device) for _ in range(repeats))
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    hf = hf_mixtral(args)
+    hf.config._attn_implementation = "sdpa"
+    config = moe_config(hf.config)
+    megalite = GPTModel(config)
+    load_full_state_dict(megalite, moe_to_megalite(hf.state_dict(), config))
+    dense_config = moe_config(hf.config)
+    dense_config.num_experts = None
+    dense_config.ffn_hidden_size = args.topk * args.moe_ffn_hidden_size
+    dense = GPTModel(dense_config)
+    hf, megalite, dense = (m.to(device).train() for m in (hf, megalite, dense))
+    tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        ours = megalite(tokens[:, :-1]).transpose(0, 1)[..., :args.vocab_size]
+        theirs = hf(input_ids=tokens[:, :-1]).logits
+        err = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    assert err < 1e-4, f"models differ at the start: {err:.2e}"
+    steps = {"transformers Mixtral": step_fn(hf, tokens, True),
+             "megalite MoE": step_fn(megalite, tokens, False),
+             "megalite dense (same active params)": step_fn(dense, tokens, False)}
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    times = {name: [] for name in steps}
+    for i in range(args.steps):
+        for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+            times[name].append(timed(steps[name], device))
+    tokens_per_step = args.micro_batch_size * args.seq_length
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(f"device {device}, threads {torch.get_num_threads()}, fp32 | {args.num_layers} layers,"
+          f" h {args.hidden_size}, {args.num_experts} experts top-{args.topk}, expert ffn "
+          f"{args.moe_ffn_hidden_size}, batch {args.micro_batch_size} x {args.seq_length} | "
+          f"logits rel err at start {err:.1e}")
+    print(f"{'model':40s} {'ms/step':>9s} {'tokens/s':>10s}")
+    for name, t in median.items():
+        print(f"{name:40s} {1000 * t:9.1f} {tokens_per_step / t:10.0f}")
+    ratio = median["transformers Mixtral"] / median["megalite MoE"]
+    print(f"megalite MoE / transformers Mixtral tokens/s: {ratio:.2f}x (target >= 1.2x)")
+    print(f"megalite MoE / dense same-active tokens/s: "
+          f"{median['megalite dense (same active params)'] / median['megalite MoE']:.2f}x")
+    layer = megalite.encoder.layers["0"].mlp
+    x = torch.randn(tokens_per_step, args.hidden_size, device=device)
+    route = routing_time(layer, x, device) * args.num_layers
+    print(f"routing + permutation (fwd + bwd, {args.num_layers} layers): {1000 * route:.1f} ms "
+          f"= {100 * route / median['megalite MoE']:.1f}% of megalite's step")
+
+
+if __name__ == "__main__":
+    main()
