@@ -1,8 +1,10 @@
 """A Mixtral-shaped MoE model trained through pretrain_gpt's flags (8 experts, top-2, shared
 expert, aux and z losses on): the loss curve at EP2 x PP2 x DP2 on 8 ranks (TP 2 for the
 attention, experts split over EP and TP) equals the single-process run on the same global
-batches (fp32, dropout off; summation order differs, so 1e-5 relative); also with
-interleaving (VPP 2), the distributed optimizer and full recompute."""
+batches (fp32, dropout off; summation order differs, so 1e-5 relative); also with the
+zero-bubble zb-h1 schedule (expert weight grads deferred too), and with interleaving (VPP 2),
+the distributed optimizer and full recompute. In bf16 at EP2 x PP2 x DP2 (4 ranks) the curve
+stays within 2e-2 of the fp32 one (bf16 keeps 8 bits of mantissa: ~4e-3 per rounding)."""
 import pytest
 import torch
 
@@ -18,16 +20,19 @@ MOE_FLAGS = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", 
              "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--vpp", "2", "--use-distributed-optimizer",
-                                          "--recompute-granularity", "full"]])
-def test_moe_loss_curve_ep2_pp2_dp2_equals_single_process(tmp_path, extra):
+@pytest.mark.parametrize("layout,tolerance", [
+    (["--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--pipeline-schedule", "zb-h1"], 1e-5),
+    (["--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--vpp", "2",
+      "--use-distributed-optimizer", "--recompute-granularity", "full"], 1e-5),
+    (["--pp", "2", "--dp", "2", "--ep", "2", "--bf16"], 2e-2)])
+def test_moe_loss_curve_ep2_pp2_dp2_equals_single_process(tmp_path, layout, tolerance):
     prefix = make_dataset(str(tmp_path))
     single = run_on_ranks(1, train, tiny_args(prefix, f"{tmp_path}/single", 3, *MOE_FLAGS))[0]
-    layout = ["--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", *extra]
-    parallel = run_on_ranks(8, train, tiny_args(prefix, f"{tmp_path}/parallel", 3, *MOE_FLAGS,
-                                                *layout))[0]
+    world = 8 if "--tp" in layout else 4
+    parallel = run_on_ranks(world, train, tiny_args(prefix, f"{tmp_path}/parallel", 3,
+                                                    *MOE_FLAGS, *layout))[0]
     assert sorted(single) == sorted(parallel) == [1, 2, 3]
     for it in single:
-        assert rel_err(torch.tensor(parallel[it]), torch.tensor(single[it])) < 1e-5, \
+        assert rel_err(torch.tensor(parallel[it]), torch.tensor(single[it])) < tolerance, \
             (single, parallel)
-    print("MoE loss curve single vs TP2xPP2xDP2xEP2:", single, parallel)
+    print("MoE loss curve single vs", " ".join(layout), single, parallel)

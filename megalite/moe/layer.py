@@ -19,6 +19,7 @@ from megalite.mpu.mappings import (copy_to_tensor_model_parallel_region,
                                    reduce_from_tensor_model_parallel_region)
 from megalite.mpu.mlp import ParallelMLP
 from megalite.mpu.random import seeded
+from megalite.mpu.weight_grad import linear
 
 
 def check_expert_partition(num_experts: int, topk: int, ep: int, dp: int) -> None:
@@ -89,10 +90,11 @@ class MoELayer(nn.Module):
 
     def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by local expert [M, h] -> their outputs [M, h]: one matmul pair per
-        expert (also for an expert with no rows, so every expert has a grad)."""
+        expert (also for an expert with no rows, so every expert has a grad); weight grads are
+        deferrable (zb-h1, zbv)."""
         rows = copy_to_tensor_model_parallel_region(rows, self.tp_group)
-        outs = [nn.functional.linear(mlp.activate(nn.functional.linear(
-                    part, mlp.dense_h_to_4h.weight)), mlp.dense_4h_to_h.weight)
+        outs = [linear(mlp.activate(linear(part, mlp.dense_h_to_4h.weight)),
+                       mlp.dense_4h_to_h.weight)
                 for mlp, part in zip(self.local_experts.values(), rows.split(counts))]
         return reduce_from_tensor_model_parallel_region(torch.cat(outs), self.tp_group)
 
