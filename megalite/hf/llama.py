@@ -192,12 +192,18 @@ def save_llama_dir(directory: str, state: dict[str, torch.Tensor], config: Model
 
     `state` is a full megalite state dict of all stages (see `gather_pipeline_state_dict`).
     """
+    write_hf_dir(directory, to_llama_config(config), "LlamaForCausalLM",
+                 megalite_to_llama(state, config))
+
+
+def write_hf_dir(directory: str, hf_config, architecture: str,
+                 weights: dict[str, torch.Tensor]) -> None:
+    """config.json (naming `architecture`) + model.safetensors of HF-named `weights` (the
+    tied lm_head left out) in `directory`."""
     from safetensors.torch import save_file
-    hf_config = to_llama_config(config)
-    hf_config.architectures = ["LlamaForCausalLM"]
+    hf_config.architectures = [architecture]
     os.makedirs(directory, exist_ok=True)
     hf_config.save_pretrained(directory)
-    weights = megalite_to_llama(state, config)
     if hf_config.tie_word_embeddings:
         weights.pop("lm_head.weight")
     save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})

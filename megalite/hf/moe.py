@@ -13,13 +13,12 @@ dividing by k; megalite adds E * sum_e f_e P_e per layer with f normalised by T 
 balanced), so one layer's transformers value is k times megalite's.
 """
 import dataclasses
-import os
 
 import torch
 
 from megalite.config import ModelConfig
 from megalite.hf.llama import check_llama_spec, llama_config, llama_to_megalite, \
-    megalite_to_llama
+    megalite_to_llama, write_hf_dir
 
 FAMILIES = ("mixtral", "qwen2_moe")
 
@@ -147,13 +146,6 @@ def megalite_to_moe(state: dict[str, torch.Tensor], config: ModelConfig
 def save_moe_dir(directory: str, state: dict[str, torch.Tensor], config: ModelConfig) -> None:
     """Write config.json + model.safetensors that `AutoModelForCausalLM.from_pretrained`
     loads as Mixtral or Qwen2-MoE. `state`: a full megalite state dict of all stages."""
-    from safetensors.torch import save_file
     hf_config = to_moe_config(config)
-    hf_config.architectures = ["MixtralForCausalLM" if hf_config.model_type == "mixtral"
-                               else "Qwen2MoeForCausalLM"]
-    os.makedirs(directory, exist_ok=True)
-    hf_config.save_pretrained(directory)
-    weights = megalite_to_moe(state, config)
-    if hf_config.tie_word_embeddings:
-        weights.pop("lm_head.weight")
-    save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    write_hf_dir(directory, hf_config, "MixtralForCausalLM" if hf_config.model_type == "mixtral"
+                 else "Qwen2MoeForCausalLM", megalite_to_moe(state, config))
