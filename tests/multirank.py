@@ -1,17 +1,31 @@
 """The tests' rank pools: one megalite.rank_pool.RankPool per world size, kept for the session.
 
-Each pool starts once (import torch once, join one process group) and then runs test task
-after task; a pool that failed is dropped and the next task starts a fresh one. A task
-that loses gloo's connection mesh while the pool sets up is tried once more.
+Each pool starts once (import torch once, join one process group: 5 s for 4 ranks, 8 s for
+8 on 2 cores) and then runs test task after task; a pool that failed is dropped and the
+next task starts a fresh one. A task that loses gloo's connection mesh while the pool sets
+up is tried once more. Process groups leave native threads behind in the workers after
+they are destroyed (a training run about 9, some of them polling), so a pool whose workers
+hold more than MAX_WORKER_THREADS threads after a task is replaced by a fresh one.
 """
 import os
+import threading
 
 from megalite.rank_pool import RankPool
 
 TRANSPORT_FLAKE = "Gloo connectFullMesh failed"
 TASK_TIMEOUT_S = float(os.environ.get("MEGALITE_TEST_TIMEOUT", 300))
 
+MAX_WORKER_THREADS = 64
+
 _POOLS: dict[int, RankPool] = {}
+
+
+def thread_count() -> int:
+    """OS threads of this process (Linux), or Python threads elsewhere."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
 
 
 def run_on_ranks(world_size: int, fn, *args, timeout: float = TASK_TIMEOUT_S, **kwargs) -> list:
@@ -24,7 +38,10 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = TASK_TIMEOUT_S, **
         if pool is None or not pool.alive():
             pool = _POOLS[world_size] = RankPool(world_size, TASK_TIMEOUT_S)
         try:
-            return pool.run(fn, *args, timeout=timeout, **kwargs)
+            results = pool.run(fn, *args, timeout=timeout, **kwargs)
+            if max(pool.run(thread_count)) > MAX_WORKER_THREADS:
+                _POOLS.pop(world_size).close()
+            return results
         except BaseException as error:
             _POOLS.pop(world_size, None)
             # gloo's socket mesh set-up can drop a connection on an overloaded 2-core
