@@ -2,7 +2,6 @@
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,13 +16,15 @@ from tests.multirank import run_on_ranks
 from tests.reference import tiny_gpt2
 from tests.test_llama_hf_parity import tiny_llama
 from tests.test_moe_hf_parity import tiny_moe
+from tools import convert_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def convert(*argv: str) -> None:
-    subprocess.run([sys.executable, "tools/convert_checkpoint.py", *argv], cwd=ROOT, check=True,
-                   capture_output=True, timeout=120)
+    """tools/convert_checkpoint.py's main, in this process (a subprocess would spend ~5 s
+    importing torch and transformers again)."""
+    convert_checkpoint.main(list(argv))
 
 
 def _load_and_save_sharded(src: str, dst: str, layout: list[str]) -> None:
