@@ -119,14 +119,13 @@ class ParallelAttention(nn.Module):
         if self.causal and not causal and sq > 1:
             tril = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
             mask = tril if attention_mask is None else attention_mask & tril
-        if k.shape[1] != q.shape[1]:
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        gqa = k.shape[1] != q.shape[1]  # SDPA shares each KV group among its heads: no copy
         if dropout == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                  enable_gqa=gqa)
         with get_rng_tracker().fork():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                  is_causal=causal)
+                                                  is_causal=causal, enable_gqa=gqa)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
