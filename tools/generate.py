@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 
 from megalite.inference import GenerationStats, SamplingParams  # noqa: E402
-from megalite.inference.loading import add_model_arguments, load_from_args  # noqa: E402
+from megalite.inference.loading import add_model_arguments, load_from_args, \
+    run_tool  # noqa: E402
 from megalite.inference.text import complete  # noqa: E402
 
 
@@ -88,11 +89,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError, KeyError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_tool(main)

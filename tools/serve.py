@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
-from megalite.inference.loading import add_model_arguments, load_from_args  # noqa: E402
+from megalite.inference.loading import add_model_arguments, load_from_args, \
+    run_tool  # noqa: E402
 from megalite.inference.serving import CompletionServer, serve_http  # noqa: E402
 
 
@@ -39,8 +40,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError, KeyError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main)

@@ -3,6 +3,8 @@ transformers directory, built and sliced for the launch layout, with its tokeniz
 import dataclasses
 import json
 import os
+import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -123,6 +125,20 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+
+
+def run_tool(main: Callable[[], None]) -> None:
+    """Run a tool's `main`: a bad flag or file ends it with one `error:` line and exit code
+    2; the process group is left cleanly either way."""
+    import torch.distributed as dist
+    try:
+        main()
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def load_from_args(args) -> tuple[nn.Module, Tokenizer]:

@@ -113,8 +113,8 @@ class MoELayer(nn.Module):
                 shared = torch.sigmoid(nn.functional.linear(tokens, self.shared_expert_gate)) \
                     * shared
             out = out + shared
-        aux, z = load_balancing_loss(scores, indices, self.topk), z_loss(logits)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # training: router losses (not computed in inference)
+            aux, z = load_balancing_loss(scores, indices, self.topk), z_loss(logits)
             step_stats.record(self.layer_number, aux, z, plan.dropped, plan.tokens_per_expert)
             if self.aux_loss_coeff or self.z_loss_coeff:
                 out = attach_aux_loss(out, self.aux_loss_coeff * aux + self.z_loss_coeff * z)

@@ -182,11 +182,10 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     _S.pp_group, _S.pp_ranks = _new_groups(layout.pipeline_groups(), rank, timeout)
     _S.model_group, _ = _new_groups(layout.model_groups(), rank, timeout)
     _S.embedding_group, _S.embedding_ranks = _new_groups(layout.embedding_groups(), rank, timeout)
+    _S.ep_group = _S.expert_dp_group = None  # EP = 1: no expert groups (see the getters)
     if ep > 1:
         _S.ep_group, _ = _new_groups(layout.expert_model_groups(), rank, timeout)
         _S.expert_dp_group, _ = _new_groups(layout.expert_data_groups(), rank, timeout)
-    else:
-        _S.ep_group, _S.expert_dp_group = None, _S.dp_cp_group
     _S.virtual_size = virtual_pipeline_model_parallel_size
     _S.virtual_rank = 0 if virtual_pipeline_model_parallel_size else None
     _S.v_shape = v_shape_placement
@@ -198,14 +197,12 @@ def model_parallel_is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     """Forget every group so a test can initialise another layout."""
-    destroyed = []
     for name in ("tp_group", "dp_group", "pp_group", "model_group", "embedding_group",
                  "cp_group", "dp_cp_group", "ep_group", "expert_dp_group"):
         group = getattr(_S, name)
-        setattr(_S, name, None)
-        if group is not None and dist.is_initialized() and group not in destroyed:
+        if group is not None and dist.is_initialized():
             dist.destroy_process_group(group)
-            destroyed.append(group)  # the expert-DP group may be the DP x CP group
+        setattr(_S, name, None)
     _S.layout = None
     _S.virtual_size = _S.virtual_rank = None
     _S.v_shape = False
@@ -371,8 +368,10 @@ def get_expert_model_parallel_group():
 
 
 def get_expert_data_parallel_group():
-    """The DP / EP ranks holding the same experts (expert grads are reduced here)."""
-    return _group("expert_dp_group")
+    """The DP / EP ranks holding the same experts (expert grads are reduced here); with
+    EP = 1 the DP x CP group."""
+    return _group("expert_dp_group" if get_expert_model_parallel_world_size() > 1
+                  else "dp_cp_group")
 
 
 def get_expert_model_parallel_world_size() -> int:
