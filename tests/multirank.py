@@ -3,9 +3,11 @@
 Each pool starts once (import torch once, join one process group: 5 s for 4 ranks, 8 s for
 8 on 2 cores) and then runs test task after task; a pool that failed is dropped and the
 next task starts a fresh one. A task that loses gloo's connection mesh while the pool sets
-up is tried once more. Process groups leave native threads behind in the workers after
-they are destroyed (a training run about 9, some of them polling), so a pool whose workers
-hold more than MAX_WORKER_THREADS threads after a task is replaced by a fresh one.
+up is tried once more. A process group that outlives its task keeps three gloo threads in
+every worker and slows every later task on the 2 cores, so a pool whose workers hold more
+than MAX_WORKER_THREADS threads after a task is replaced by a fresh one (a safety net: the
+groups of a layout are destroyed when the next is initialised or the task ends, and DDP's
+grad hooks do not keep the model alive, so no test is known to leave one behind).
 """
 import os
 import threading

@@ -99,3 +99,31 @@ def _invalid_then_valid() -> str:
 def test_invalid_sizes_fail_before_any_collective():
     messages = run_on_ranks(8, _invalid_then_valid)
     assert all("not divisible" in m for m in messages)
+
+
+def _re_initialised_layouts_leave_nothing_behind() -> tuple[int, int, bool]:
+    """Three layouts initialised one over the other, each training a DDP-wrapped layer, then
+    destroy: (OS threads before, after, whether the last wrapper is still alive)."""
+    import weakref
+
+    import torch
+
+    from megalite.distributed import DistributedDataParallel
+    from tests.multirank import thread_count
+    before = thread_count()
+    for tp, pp in ((2, 1), (1, 2), (2, 2)):
+        ps.initialize_model_parallel(tp, pp)  # no destroy in between: it replaces the groups
+        model = DistributedDataParallel(torch.nn.Linear(4, 4))
+        model(torch.ones(2, 4)).sum().backward()
+        model.finish_grad_sync()
+        wrapper = weakref.ref(model)
+        del model  # its grad hooks must not keep it (nor its groups) alive
+    ps.destroy_model_parallel()
+    dist.barrier()
+    return before, thread_count(), wrapper() is not None
+
+
+def test_re_initialising_destroys_the_previous_groups_and_ddp_frees_its_model():
+    for before, after, alive in run_on_ranks(4, _re_initialised_layouts_leave_nothing_behind):
+        # every group left alive keeps gloo threads in the process (3 each)
+        assert after == before and not alive, (before, after, alive)

@@ -1,5 +1,6 @@
 """The data-parallel model wrapper: grads into bucketed fp32 buffers, reduced during backward."""
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -52,8 +53,11 @@ class DistributedDataParallel(nn.Module):
         self._bucket_of: dict[nn.Parameter, Bucket] = {
             p: bucket for bucket in self.buckets() for p in bucket.params}
         self._sync = True
+        # The hooks live in autograd's C++ state, out of reach of Python's cycle collector: a
+        # hook holding this wrapper would keep it, its model and its groups alive for good.
+        hook = _weak_hook(self)
         for param in params:
-            param.register_post_accumulate_grad_hook(self._accumulate)
+            param.register_post_accumulate_grad_hook(hook)
 
     def _accumulate(self, param: nn.Parameter) -> None:
         grad = param.grad
@@ -101,3 +105,14 @@ class DistributedDataParallel(nn.Module):
             buffer.reset()
         for param in self._bucket_of:
             param.grad = None
+
+
+def _weak_hook(ddp: DistributedDataParallel):
+    """`ddp._accumulate` through a weak reference (the param's hook must not own the wrapper)."""
+    ref = weakref.ref(ddp)
+
+    def hook(param: nn.Parameter) -> None:
+        wrapper = ref()
+        if wrapper is not None:
+            wrapper._accumulate(param)
+    return hook

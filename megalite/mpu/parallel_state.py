@@ -153,7 +153,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     Every group waits at most `timeout_s` seconds in a collective or p2p operation (default:
     the bound megalite.device.init_distributed gave the default group), so a hang in any of
     them ends the job with an error. With EP = 1 no expert groups are built: the expert-DP
-    group is the DP x CP group.
+    group is the DP x CP group. Called again, it destroys the previous layout's groups first.
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel: torch.distributed is not initialized "
@@ -173,6 +173,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                          f"--vpp {virtual_pipeline_model_parallel_size}")
     layout = GridLayout(tensor_model_parallel_size, pipeline_model_parallel_size, dp,
                         context_parallel_size, ep)
+    destroy_model_parallel()  # a new layout replaces the groups of the previous one
     _S.layout = layout
     timeout = process_group_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     _S.tp_group, _S.tp_ranks = _new_groups(layout.tensor_groups(), rank, timeout)
