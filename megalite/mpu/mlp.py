@@ -39,11 +39,36 @@ class ParallelMLP(nn.Module):
     def activate(self, hidden: torch.Tensor) -> torch.Tensor:
         """The activation on this rank's [..., (2 x) ffn/tp] first-projection output."""
         if self.activation == "swiglu":
-            gate, up = hidden.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return _SwiGLU.apply(hidden)
         return F.gelu(hidden, approximate="tanh" if self.activation == "gelu_tanh" else "none")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.dense_h_to_4h(x)
         out, _ = self.dense_4h_to_h(self.activate(hidden))
         return out
+
+
+class _SwiGLU(torch.autograd.Function):
+    """[..., 2f] = [gate; up] -> silu(gate) * up [..., f].
+
+    Backward writes d gate and d up straight into the halves of one [..., 2f] grad, where
+    autograd's chunk backward would concatenate them (a copy of the whole grad: about 1% of
+    the bench's Llama step on CPU). Saves what autograd would: [gate; up] and silu(gate).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = hidden.chunk(2, dim=-1)
+        activated = F.silu(gate)
+        ctx.save_for_backward(hidden, activated)
+        return activated * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        hidden, activated = ctx.saved_tensors
+        gate, up = hidden.chunk(2, dim=-1)
+        grad_hidden = torch.empty_like(hidden)
+        grad_gate, grad_up = grad_hidden.chunk(2, dim=-1)
+        torch.mul(grad, activated, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_hidden
