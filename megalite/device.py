@@ -2,8 +2,10 @@
 
 CUDA + NCCL when a GPU is visible, else CPU + gloo. Everything else asks here.
 """
+import contextlib
 import datetime
 import os
+import random
 import socket
 
 import torch
@@ -35,10 +37,19 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for another process to listen on, picked below the
+    kernel's ephemeral range: a port from bind(0) is free again once released, and the next
+    bind(0) anywhere (gloo's listeners, a store) may take it before its new owner does."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            low = int(ranges.read().split()[0])
+    for port in random.SystemRandom().sample(range(max(1024, low - 8192), low), 64):
+        with socket.socket() as sock, contextlib.suppress(OSError):
+            sock.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free TCP port below {low} on 127.0.0.1")
 
 
 def init_distributed(rank: int | None = None, world_size: int | None = None,
@@ -60,7 +71,7 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
         if world_size > 1:
             raise RuntimeError("init_distributed: WORLD_SIZE > 1 but no MASTER_ADDR "
                                "(launch with torchrun or tools/run_multinode.sh)")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"  # a lone process: any free port
+        init_method = "tcp://127.0.0.1:0"  # a lone process: its store binds any free port
     dist.init_process_group(backend(), init_method=init_method, rank=rank, world_size=world_size,
                             timeout=_timeout)
 

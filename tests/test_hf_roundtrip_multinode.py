@@ -1,6 +1,5 @@
 """Hugging Face round trip through a (TP2, PP2) run, and a 2-node launch on one machine."""
 import os
-import socket
 import subprocess
 
 import pytest
@@ -8,6 +7,7 @@ import torch
 
 from megalite import checkpointing
 from megalite.config import ModelConfig, parse_configs
+from megalite.device import free_port
 from megalite.models import GPTModel
 from megalite.optimizer import get_optimizer
 from megalite.training import build_model, setup_parallel
@@ -75,17 +75,11 @@ def test_hf_to_megalite_sharded_to_hf_gives_identical_logits(tmp_path, model_typ
         assert torch.equal(back(tokens).logits, hf(tokens).logits)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_launcher_nodes_form_one_8_rank_job(tmp_path):
     prefix = make_dataset(str(tmp_path))
     args = tiny_args(prefix, str(tmp_path / "ck"), 3, "--tp", "2", "--pp", "2", "--dp", "2",
                      "--log-interval", "1")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "NNODES": "2", "GPUS_PER_NODE": "4"}
     nodes = [subprocess.Popen(["bash", "tools/run_multinode.sh", *args], cwd=ROOT,
                               env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,

@@ -19,6 +19,7 @@ import torch
 from megalite.checkpointing import write_weights_checkpoint
 from megalite.data.tokenizer_training import train_sentencepiece
 from megalite.data.tokenizers import SentencePieceTokenizer
+from megalite.device import free_port
 from megalite.hf.gpt2 import gpt2_to_megalite, gpt2_config
 from tests.reference import tiny_gpt2
 
@@ -26,12 +27,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["The module", "import os", "Return the value", "A list of", "def f(x):",
            "The file", "class", "This function returns"]
 CONTEXT = 48
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +44,7 @@ def server(tmp_path_factory):
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
     config = gpt2_config(hf.config)
     write_weights_checkpoint(str(tmp / "ckpt"), gpt2_to_megalite(hf.state_dict(), config), config)
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "serve.py"), "--load",
                              str(tmp / "ckpt"), "--tokenizer", str(tmp / "sp.model"), "--port",

@@ -1,9 +1,14 @@
-"""Process groups on 8 ranks match the tp-dp-pp layout of DESIGN.md; bad sizes fail first."""
+"""Process groups on 8 ranks match the tp-dp-pp layout of DESIGN.md; bad sizes fail first;
+re-initialising a layout frees the previous groups."""
+import weakref
+
 import pytest
+import torch
 import torch.distributed as dist
 
+from megalite.distributed import DistributedDataParallel
 from megalite.mpu import parallel_state as ps
-from tests.multirank import run_on_ranks
+from tests.multirank import run_on_ranks, thread_count
 
 LAYOUTS = [(2, 2, 2), (2, 4, 1), (4, 1, 2), (8, 1, 1), (1, 8, 1)]
 
@@ -36,7 +41,6 @@ def _my_groups(tp: int, pp: int) -> dict:
                   ps.get_data_parallel_world_size()),
     }
     # The groups really are usable: an all-reduce of the global rank over TP sums the TP ranks.
-    import torch
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=ps.get_tensor_model_parallel_group())
     info["tp_sum"] = t.item()
@@ -101,29 +105,31 @@ def test_invalid_sizes_fail_before_any_collective():
     assert all("not divisible" in m for m in messages)
 
 
+def _ddp_step(tp: int, pp: int) -> weakref.ref:
+    """Initialise (tp, pp) over whatever layout is there, train a DDP-wrapped layer once and
+    drop it; a weak reference to the wrapper."""
+    ps.initialize_model_parallel(tp, pp)
+    model = DistributedDataParallel(torch.nn.Linear(4, 4))
+    model(torch.ones(2, 4)).sum().backward()
+    model.finish_grad_sync()
+    return weakref.ref(model)
+
+
 def _re_initialised_layouts_leave_nothing_behind() -> tuple[int, int, bool]:
-    """Three layouts initialised one over the other, each training a DDP-wrapped layer, then
-    destroy: (OS threads before, after, whether the last wrapper is still alive)."""
-    import weakref
-
-    import torch
-
-    from megalite.distributed import DistributedDataParallel
-    from tests.multirank import thread_count
+    """After one warm-up step: three layouts initialised one over the other (no destroy in
+    between), each training a DDP-wrapped layer, then destroy. (OS threads before, after,
+    whether a wrapper is still alive.)"""
+    _ddp_step(2, 2)
+    ps.destroy_model_parallel()
     before = thread_count()
-    for tp, pp in ((2, 1), (1, 2), (2, 2)):
-        ps.initialize_model_parallel(tp, pp)  # no destroy in between: it replaces the groups
-        model = DistributedDataParallel(torch.nn.Linear(4, 4))
-        model(torch.ones(2, 4)).sum().backward()
-        model.finish_grad_sync()
-        wrapper = weakref.ref(model)
-        del model  # its grad hooks must not keep it (nor its groups) alive
+    wrappers = [_ddp_step(tp, pp) for tp, pp in ((2, 1), (1, 2), (2, 2))]
     ps.destroy_model_parallel()
     dist.barrier()
-    return before, thread_count(), wrapper() is not None
+    return before, thread_count(), any(w() is not None for w in wrappers)
 
 
 def test_re_initialising_destroys_the_previous_groups_and_ddp_frees_its_model():
     for before, after, alive in run_on_ranks(4, _re_initialised_layouts_leave_nothing_behind):
-        # every group left alive keeps gloo threads in the process (3 each)
+        # every group left alive keeps gloo threads in the process (3 each); the wrappers'
+        # grad hooks must not keep them (nor their models' groups) alive
         assert after == before and not alive, (before, after, alive)

@@ -19,7 +19,6 @@ ratio to the peer. Prints figures; asserts nothing.
 import argparse
 import functools
 import os
-import socket
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import pretrain_gpt  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.device import init_distributed  # noqa: E402
+from megalite.device import free_port, init_distributed  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
 from megalite.models.stage import build_model_chunks, sync_shared_embedding  # noqa: E402
 from megalite.mpu import destroy_model_parallel, initialize_model_parallel  # noqa: E402
@@ -233,9 +232,7 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(rank, args, port, queue)) for rank in range(P)]

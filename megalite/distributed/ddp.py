@@ -1,7 +1,7 @@
 """The data-parallel model wrapper: grads into bucketed fp32 buffers, reduced during backward."""
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -107,7 +107,7 @@ class DistributedDataParallel(nn.Module):
             param.grad = None
 
 
-def _weak_hook(ddp: DistributedDataParallel):
+def _weak_hook(ddp: DistributedDataParallel) -> Callable[[nn.Parameter], None]:
     """`ddp._accumulate` through a weak reference (the param's hook must not own the wrapper)."""
     ref = weakref.ref(ddp)
 
