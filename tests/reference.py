@@ -20,6 +20,21 @@ def tiny_gpt2(vocab: int = 203, positions: int = 32, layers: int = 2, hidden: in
     return GPT2LMHeadModel(cfg)
 
 
+def random_hf_model(cls, cfg, seed: int = 0):
+    """`cls(cfg)` with eager attention, seeded init, norm weights moved away from 1 and the
+    fused 3-D expert weights (which transformers leaves uninitialised) drawn N(0, 0.05)."""
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith(("gate_up_proj", "down_proj")) and param.ndim == 3:
+                param.normal_(0, 0.05)
+    return model
+
+
 def hf_token_loss(hf_model, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of a HF causal LM on tokens [b, s + 1] (inputs [:-1], labels [1:])."""
     logits = hf_model(input_ids=tokens[:, :-1]).logits

@@ -15,7 +15,7 @@ from megalite.models import GPTModel
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from tests.multirank import run_on_ranks
-from tests.reference import hf_parity_errors
+from tests.reference import hf_parity_errors, random_hf_model
 
 VOCAB, SEQ = 203, 13
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
@@ -35,15 +35,7 @@ def tiny_llama(seed: int = 0, **overrides):
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, max_position_embeddings=32, tie_word_embeddings=False,
               rope_parameters={"rope_type": "default", "rope_theta": 1e4})
-    cfg = LlamaConfig(**{**kw, **overrides})
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(0.1 * torch.randn_like(param))
-    return model
+    return random_hf_model(LlamaForCausalLM, LlamaConfig(**{**kw, **overrides}), seed)
 
 
 def _compare(tp: int, case: str) -> dict:

@@ -17,7 +17,7 @@ from megalite.mpu.layers import gather_tensor_parallel
 from megalite.training import build_model, run_schedule, setup_parallel, train_step, \
     validate_configs
 from tests.multirank import run_on_ranks
-from tests.reference import hf_token_loss, rel_err
+from tests.reference import hf_token_loss, random_hf_model, rel_err
 
 VOCAB, SEQ, BATCH = 203, 9, 8
 
@@ -37,16 +37,7 @@ def tiny_moe(family: str, seed: int = 0, **overrides):
                              shared_expert_intermediate_size=40, num_experts=8,
                              **{**kw, **overrides})
         cls = Qwen2MoeForCausalLM
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = cls(cfg)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(0.1 * torch.randn_like(param))
-            elif name.endswith(("gate_up_proj", "down_proj")) and param.ndim == 3:
-                param.normal_(0, 0.05)  # transformers leaves the fused experts uninitialised
-    return model
+    return random_hf_model(cls, cfg, seed)
 
 
 def _forward_step(data_iterator, model):
