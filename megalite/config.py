@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.data.finetune import COLUMNS
-from megalite.schedules import PIPELINE_SCHEDULES
+from megalite.placement import PIPELINE_SCHEDULES, ZBV
 
 
 def arg(default, help: str, aliases: tuple[str, ...] = (), choices=None, **kw):
@@ -156,7 +156,7 @@ class ParallelConfig:
         aliases=("--ep",))
 
     def __post_init__(self) -> None:
-        if self.pipeline_schedule == "zbv" and self.virtual_pipeline_model_parallel_size is None \
+        if self.pipeline_schedule == ZBV and self.virtual_pipeline_model_parallel_size is None \
                 and self.pipeline_model_parallel_size > 1:
             self.virtual_pipeline_model_parallel_size = 2  # zbv's two chunks per rank
 

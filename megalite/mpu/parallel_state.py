@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megalite.device import process_group_timeout
-from megalite.schedules.tables import Placement
+from megalite.placement import Placement
 
 
 @dataclass(frozen=True)

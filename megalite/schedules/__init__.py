@@ -9,9 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from megalite.schedules.tables import SCHEDULES
-
-PIPELINE_SCHEDULES = tuple(SCHEDULES)  # the one list of schedule names (--pipeline-schedule)
+from megalite.placement import PIPELINE_SCHEDULES
 CHUNKED = frozenset({"interleaved", "zbv"})  # schedules that run several chunks per rank
 
 

@@ -49,6 +49,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megalite.placement import Placement
+
 
 class Kind(enum.Enum):
     FORWARD = enum.auto()
@@ -83,35 +85,6 @@ class Instruction:
 
 
 Table = list[list[Instruction]]
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Which global stage (rank, local chunk) holds, of p * v stages.
-
-    Loop (gpipe, 1f1b, interleaved): chunk c of rank r is stage c*p + r. V (zbv, v = 2):
-    chunk 0 of rank r is stage r and chunk 1 is stage 2p-1-r, so rank 0 holds the first
-    and the last stage and rank p-1 hands stage p-1 to stage p without communication.
-    """
-
-    p: int
-    v: int
-    v_shape: bool = False
-
-    @property
-    def num_stages(self) -> int:
-        return self.p * self.v
-
-    def stage(self, rank: int, chunk: int) -> int:
-        if self.v_shape:
-            return rank if chunk == 0 else 2 * self.p - 1 - rank
-        return chunk * self.p + rank
-
-    def locate(self, stage: int) -> tuple[int, int]:
-        """(rank, local chunk) holding `stage`."""
-        if self.v_shape:
-            return (stage, 0) if stage < self.p else (2 * self.p - 1 - stage, 1)
-        return stage % self.p, stage // self.p
 
 
 def gpipe(p: int, m: int, v: int = 1) -> Table:
