@@ -37,8 +37,10 @@ from megalite.models.sharding import (full_state_dict, gather_pipeline_state_dic
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import get_optimizer
 from megalite.resilience import NonFiniteError, SkipGuard
-from megalite.training import (RunShape, TrainingLogger, build_model, evaluate, log, log_pipeline,
-                               setup_parallel, train_step, validate_configs)
+from megalite.layout import RunLayout
+from megalite.mpu.parallel_state import GridLayout
+from megalite.training import (TrainingLogger, build_model, evaluate, log, log_pipeline,
+                               setup_parallel, train_step)
 
 # all-MiniLM-L6-v2 on the built-in task in a few minutes on 2 CPU cores.
 DEFAULTS = dict(seq_length=64, micro_batch_size=16, global_batch_size=32, lr=2e-4, min_lr=0.0,
@@ -146,8 +148,9 @@ def prepare_task(configs: Configs, world_size: int) -> Task:
     tokenizer = load_tokenizer(model_dir)
     train, valid = (encode_pairs(tokenizer, examples, t.seq_length)
                     for examples in read_examples(ft, t.seed))
-    dp = ps.validate_sizes(world_size, p.tensor_model_parallel_size,
-                           p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size)
+    dp = GridLayout.from_world(world_size, p.tensor_model_parallel_size,
+                               p.pipeline_model_parallel_size,
+                               vpp=p.virtual_pipeline_model_parallel_size).dp
     global_batch = t.global_batch_size or t.micro_batch_size * dp
     steps = len(train["labels"]) // global_batch
     if steps == 0:
@@ -194,7 +197,7 @@ def microbatches(data: dict[str, torch.Tensor], order: torch.Tensor,
 
 
 def count_correct(valid: dict[str, torch.Tensor], model: list, configs: Configs,
-                  shape: RunShape) -> tuple[int, int]:
+                  shape: RunLayout) -> tuple[int, int]:
     """(correct, total) over the whole validation set, summed over microbatches and DP."""
     n = len(valid["labels"])
     batches = microbatches(valid, torch.arange(n), configs.train.micro_batch_size)
@@ -204,7 +207,7 @@ def count_correct(valid: dict[str, torch.Tensor], model: list, configs: Configs,
 
 
 def save_best(configs: Configs, iteration: int, superseded: int, model: list, optimizer,
-              scheduler, shape: RunShape) -> None:
+              scheduler, shape: RunLayout) -> None:
     """Checkpoint the new best model to --save, then delete the one it supersedes."""
     root = configs.checkpoint.save
     checkpointing.save_checkpoint(root, iteration, model, optimizer, scheduler,
@@ -214,7 +217,7 @@ def save_best(configs: Configs, iteration: int, superseded: int, model: list, op
     log(f"saved the best model to {root} (iteration {iteration})")
 
 
-def describe(configs: Configs, task: Task, shape: RunShape, world: int) -> str:
+def describe(configs: Configs, task: Task, shape: RunLayout, world: int) -> str:
     """The run's opening log line: model, data, steps, layout."""
     m, t, p = configs.model, configs.train, configs.parallel
     return (f"finetuning {task.model_dir}: {m.num_layers} layers, hidden {m.hidden_size}, "
@@ -237,11 +240,11 @@ def finetune(configs: Configs) -> FinetuneResult:
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     try:
         task = prepare_task(configs, world)
-        shape = validate_configs(configs, world)
+        shape = RunLayout.from_configs(configs, world)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-    setup_parallel(configs)
+    setup_parallel(configs, shape)
     model = build_model(configs, functools.partial(model_provider, configs))
     load_bert(model, task.hf_state, configs.model)
     optimizer, scheduler = get_optimizer(configs.optimizer, configs.precision, model,

@@ -79,12 +79,8 @@ def rank_state_path(directory: str, rank: int) -> str:
 
 
 def current_layout() -> dict:
-    return {"tp": ps.get_tensor_model_parallel_world_size(),
-            "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(),
-            "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
-            **({"ep": ps.get_expert_model_parallel_world_size()}
-               if ps.get_expert_model_parallel_world_size() > 1 else {})}
+    """The running grid's layout as checkpoints record it (a single process: all ones)."""
+    return (ps.get_grid() or ps.GridLayout(1, 1, 1)).as_dict()
 
 
 def _rng_state() -> dict:

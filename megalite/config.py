@@ -288,14 +288,13 @@ class FinetuneConfig:
 
 
 # Smallest accepted value of numeric flags, checked before any config is built (so a zero
-# never reaches a division): one table for every config class.
+# never reaches a division): one table for every config class. The parallel sizes are the run
+# layout's to check (megalite.layout), with the rules between them.
 MINIMUM = {
     "num_layers": 1, "hidden_size": 1, "num_attention_heads": 1, "ffn_hidden_size": 1,
     "vocab_size": 1, "max_position_embeddings": 1, "make_vocab_size_divisible_by": 1,
-    "layernorm_epsilon": 0.0, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+    "norm_epsilon": 0.0, "hidden_dropout": 0.0, "attention_dropout": 0.0,
     "init_method_std": 0.0, "num_tokentypes": 0, "recompute_num_layers": 1,
-    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-    "data_parallel_size": 1, "virtual_pipeline_model_parallel_size": 1,
     "distributed_timeout_minutes": 0.0, "loss_scale": 0.0, "initial_loss_scale": 0.0,
     "min_loss_scale": 0.0, "loss_scale_window": 1, "hysteresis": 1, "lr": 0.0, "min_lr": 0.0,
     "lr_warmup_iters": 0, "lr_decay_iters": 1, "weight_decay": 0.0, "adam_eps": 0.0,

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from megalite.config import Configs, ModelConfig
+from megalite.layout import RunLayout
 from megalite.metrics import flops_per_iteration
 from megalite.models.spec import TransformerSpec
 from megalite.models.stage import pipeline_layer_range
 from megalite.mpu.layers import pad_vocab_size
-from megalite.schedules import resolve_schedule
 from megalite.schedules.accounting import bubble_fraction as simulated_bubble
 from megalite.schedules.tables import build_schedule
 
@@ -352,21 +352,19 @@ def _layer_stack(configs: Configs, layers_per_chunk: int, act_bytes: int, tp: in
 
 
 def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
-    """The plan of `configs`, checked as `megalite.training.validate_configs` checks a world
+    """The plan of `configs`, checked by `megalite.layout.RunLayout` for a world
     of TP x CP x PP x DP ranks (DP defaults to 1). `sequence_parallel` (default: the
     --sequence-parallel flag) splits the norm/dropout activations over TP too; CP divides
     every activation by cp."""
     if sequence_parallel is None:
         sequence_parallel = configs.parallel.sequence_parallel
-    from megalite.training import validate_configs  # heavy import, only when planning
     par = configs.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     v = par.virtual_pipeline_model_parallel_size or 1
     dp = par.data_parallel_size or 1
     cp = par.context_parallel_size
-    shape = validate_configs(configs, tp * pp * dp * cp)
-    m = shape.num_microbatches
-    schedule = resolve_schedule(par.pipeline_schedule, pp, par.virtual_pipeline_model_parallel_size)
+    layout = RunLayout.from_configs(configs, tp * pp * dp * cp)
+    m, schedule = layout.num_microbatches, layout.schedule
     precision = precision_name(configs)
     e = ACTIVATION_BYTES[precision]
     padded_vocab = pad_vocab_size(configs.model.vocab_size,
@@ -389,4 +387,4 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
                                    stage_expert_params(configs.model, tp, pp, rank, v, ep),
                                    expert_state)
     return Plan(configs, precision, sequence_parallel, schedule, padded_vocab, dp, m,
-                shape.global_batch_size, stages)
+                layout.global_batch_size, stages)

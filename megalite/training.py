@@ -17,29 +17,17 @@ from megalite import checkpointing, device, moe
 from megalite.config import Configs
 from megalite.data.gpt_dataset import check_data
 from megalite.distributed import DistributedDataParallel
+from megalite.layout import RunLayout
 from megalite.log_writers import check_available
 from megalite.models.stage import (build_model_chunks, finalize_model_grads,
                                    sync_shared_embedding)
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
-from megalite.mpu.context_parallel import check_sequence_split
 from megalite.mpu import parallel_state as ps
-from megalite.mpu.attention import check_attention_partition
 from megalite.optimizer import get_optimizer, optimizer_settings
-from megalite.moe import check_expert_partition
-from megalite.optimizer.scheduler import check_decay_iters
 from megalite.resilience import ExitSignalHandler, SkipGuard, inject_faults, parse_faults
-from megalite.schedules import get_forward_backward_func, resolve_schedule
+from megalite.schedules import get_forward_backward_func
 from megalite.schedules.accounting import pipeline_summary
 from megalite.train_logger import TrainingLogger, log
-
-
-@dataclass(frozen=True)
-class RunShape:
-    """Sizes derived from the configs and the world size."""
-
-    data_parallel_size: int
-    global_batch_size: int
-    num_microbatches: int
 
 
 @dataclass
@@ -50,81 +38,13 @@ class TrainResult:
     losses: dict[int, float]
 
 
-def validate_configs(configs: Configs, world_size: int) -> RunShape:
-    """Check every cross-flag constraint; raise ValueError with one line naming the flag."""
-    p, m, t = configs.parallel, configs.model, configs.train
-    dp = ps.validate_sizes(world_size, p.tensor_model_parallel_size,
-                           p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
-                           p.context_parallel_size)
-    if p.data_parallel_size is not None and p.data_parallel_size != dp:
-        raise ValueError(f"--dp {p.data_parallel_size} does not match world size {world_size} / "
-                         f"(TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x PP "
-                         f"{p.pipeline_model_parallel_size}) = {dp}")
-    check_sequence_split(t.seq_length, p.tensor_model_parallel_size, p.sequence_parallel,
-                         p.context_parallel_size)
-    if p.context_parallel_size > 1 and m.attention_dropout:
-        raise ValueError(f"--context-parallel-size {p.context_parallel_size} needs "
-                         f"--attention-dropout 0 (got {m.attention_dropout})")
-    chunks = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
-    if m.num_layers % chunks:
-        raise ValueError(f"--num-layers ({m.num_layers}) must be divisible by --pp x --vpp "
-                         f"({chunks})")
-    check_attention_partition(m.num_attention_heads, m.query_groups, p.tensor_model_parallel_size)
-    if m.num_experts is not None or p.expert_model_parallel_size > 1:
-        check_expert_partition(m.num_experts or 1, m.moe_router_topk,
-                               p.expert_model_parallel_size, dp)
-        if p.sequence_parallel or p.context_parallel_size > 1:
-            raise ValueError("--num-experts: MoE layers run without --sequence-parallel and "
-                             "with --context-parallel-size 1")
-    if m.ffn_hidden_size % p.tensor_model_parallel_size:
-        raise ValueError(f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by --tp "
-                         f"({p.tensor_model_parallel_size})")
-    if t.seq_length > m.max_position_embeddings:
-        raise ValueError(f"--seq-length ({t.seq_length}) exceeds --max-position-embeddings "
-                         f"({m.max_position_embeddings})")
-    global_batch = t.global_batch_size or t.micro_batch_size * dp
-    if global_batch % (t.micro_batch_size * dp):
-        raise ValueError(f"--global-batch-size ({global_batch}) must be divisible by "
-                         f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})")
-    if configs.data.data_path:  # missing, truncated, empty or out-of-vocabulary data
-        check_data(configs.data.data_path, configs.data.split, m.vocab_size,
-                   needs_train=t.train_iters > 0)
-    o = configs.optimizer
-    check_decay_iters(o.lr_decay_style, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters)
-    microbatches = global_batch // (t.micro_batch_size * dp)
-    _check_schedule(p, microbatches)
-    return RunShape(dp, global_batch, microbatches)
-
-
-def _check_schedule(p, microbatches: int) -> None:
-    pp, vpp, name = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size, \
-        p.pipeline_schedule
-    schedule = resolve_schedule(name, pp, vpp)
-    if vpp and name in ("gpipe", "zb-h1"):
-        raise ValueError(f"--pipeline-schedule {name} runs one model chunk per rank: drop --vpp "
-                         f"({vpp}) or choose interleaved or zbv")
-    if schedule == "zbv" and vpp != 2:
-        raise ValueError(f"--pipeline-schedule zbv runs 2 model chunks per rank, got --vpp {vpp}")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ValueError(f"interleaved schedule: microbatches per step ({microbatches} = "
-                         f"--global-batch-size / (--micro-batch-size x DP)) must be a multiple "
-                         f"of --pp ({pp})")
-    if schedule == "zb-h1" and microbatches < pp:
-        raise ValueError(f"--pipeline-schedule zb-h1: microbatches per step ({microbatches} = "
-                         f"--global-batch-size / (--micro-batch-size x DP)) must be >= --pp ({pp})")
-
-
-def log_pipeline(configs: Configs, shape: RunShape) -> None:
+def log_pipeline(configs: Configs, shape: RunLayout) -> None:
     """Log what the pipeline costs: schedule, p, v, m, bubble and peak in-flight microbatches
     per rank (from the schedule's table), and a warning when m < p."""
-    p = configs.parallel
-    pp = p.pipeline_model_parallel_size
+    pp, m = shape.grid.pp, shape.num_microbatches
     if pp == 1:
         return
-    schedule = resolve_schedule(p.pipeline_schedule, pp, p.virtual_pipeline_model_parallel_size)
-    m = shape.num_microbatches
-    summary = pipeline_summary(schedule, pp, m, p.virtual_pipeline_model_parallel_size or 1)
-    log(summary)
+    log(pipeline_summary(shape.schedule, pp, m, shape.chunks_per_rank))
     if m < pp:
         need = configs.train.micro_batch_size * shape.data_parallel_size * pp
         log(f"WARNING: {m} microbatch(es) per step through {pp} pipeline stages: ranks idle "
@@ -132,19 +52,11 @@ def log_pipeline(configs: Configs, shape: RunShape) -> None:
             f"x PP), better 4x that")
 
 
-def setup_parallel(configs: Configs) -> None:
-    """Join the job, build the process grid and seed the RNG streams."""
-    p = configs.parallel
-    timeout_s = p.distributed_timeout_minutes * 60
+def setup_parallel(configs: Configs, shape: RunLayout) -> None:
+    """Join the job, build the process grid of the layout and seed the RNG streams."""
+    timeout_s = configs.parallel.distributed_timeout_minutes * 60
     device.init_distributed(timeout_s=timeout_s)
-    initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                              p.virtual_pipeline_model_parallel_size,
-                              context_parallel_size=p.context_parallel_size,
-                              v_shape_placement=resolve_schedule(
-                                  p.pipeline_schedule, p.pipeline_model_parallel_size,
-                                  p.virtual_pipeline_model_parallel_size) == "zbv",
-                              timeout_s=timeout_s,
-                              expert_model_parallel_size=p.expert_model_parallel_size)
+    initialize_model_parallel(grid=shape.grid, timeout_s=timeout_s)
     model_parallel_seed(configs.train.seed, ps.get_tensor_model_parallel_rank(),
                         ps.get_pipeline_model_parallel_rank())
 
@@ -165,10 +77,10 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
 
 
 def run_schedule(forward_step_func: Callable, data_iterator: Iterator, model: list,
-                 configs: Configs, shape: RunShape, forward_only: bool,
+                 configs: Configs, shape: RunLayout, forward_only: bool,
                  loss_scale: float = 1.0) -> list[dict]:
     """All microbatches of one step through the grid's pipeline schedule; per-microbatch losses."""
-    return get_forward_backward_func(configs.parallel.pipeline_schedule)(
+    return get_forward_backward_func(shape.schedule)(
         forward_step_func=forward_step_func, data_iterator=data_iterator,
         model=model if len(model) > 1 else model[0], num_microbatches=shape.num_microbatches,
         seq_length=configs.train.seq_length, micro_batch_size=configs.train.micro_batch_size,
@@ -176,7 +88,7 @@ def run_schedule(forward_step_func: Callable, data_iterator: Iterator, model: li
 
 
 def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list, optimizer,
-               configs: Configs, shape: RunShape, loss_key: str = "lm loss"
+               configs: Configs, shape: RunLayout, loss_key: str = "lm loss"
                ) -> tuple[float, bool, float | None]:
     """One optimizer step over all microbatches: (mean `loss_key` value on every rank, stepped,
     grad norm). The loss is the same on every rank (shared over PP, averaged over DP), so a
@@ -217,7 +129,7 @@ def _sum_over_data_parallel(losses: list[dict]) -> dict[str, float]:
 
 @torch.no_grad()
 def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list,
-             configs: Configs, shape: RunShape, iters: int | None = None) -> dict[str, float]:
+             configs: Configs, shape: RunLayout, iters: int | None = None) -> dict[str, float]:
     """Every loss-dict value summed over `iters` (default --eval-iters) forward-only steps,
     their microbatches and the DP group: divide by iters x microbatches x DP for a mean, or
     return counts (e.g. correct predictions) to sum them exactly."""
@@ -239,22 +151,21 @@ def default_save_interval(train_iters: int) -> int:
     return max(10, min(1000, train_iters // 10))
 
 
-def check_before_start(configs: Configs, world: int, shape: RunShape) -> None:
+def check_before_start(configs: Configs, shape: RunLayout) -> None:
     """Checks that need files but no process group: --save/--load directories, the load's
     metadata and files (every rank sees the same files, so every rank reports the same
     line), the optional log sinks and the fault-injection hook. Raises ValueError."""
-    ckpt, p = configs.checkpoint, configs.parallel
-    check_available(configs.train.tensorboard_dir, configs.train.wandb_project)
+    ckpt, m, t = configs.checkpoint, configs.model, configs.train
+    if configs.data.data_path:  # missing, truncated, empty or out-of-vocabulary data
+        check_data(configs.data.data_path, configs.data.split, m.vocab_size,
+                   needs_train=t.train_iters > 0)
+    check_available(t.tensorboard_dir, t.wandb_project)
     parse_faults(os.environ.get("MEGALITE_FAULT", ""))
     start = 0
     if ckpt.load and (meta := checkpointing.read_meta(ckpt.load)):
-        checkpointing.check_compatible(meta, configs.model, ckpt.load,
+        checkpointing.check_compatible(meta, m, ckpt.load,
                                        configs.precision.params_dtype)
-        layout = {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-                  "dp": shape.data_parallel_size, "vpp": p.virtual_pipeline_model_parallel_size,
-                  **({"ep": p.expert_model_parallel_size} if p.expert_model_parallel_size > 1
-                     else {})}
-        checkpointing.verify_checkpoint(ckpt.load, meta, layout, world,
+        checkpointing.verify_checkpoint(ckpt.load, meta, shape.grid.as_dict(), shape.world_size,
                                         optimizer_settings(configs.optimizer))
         start = meta["iteration"]
     saved = checkpointing.latest_iteration(ckpt.save) if ckpt.save else None
@@ -292,11 +203,11 @@ def pretrain(configs: Configs, model_provider: Callable, forward_step_func: Call
     try:
         if check_inputs:
             check_inputs(configs)
-        shape = validate_configs(configs, world)
-        check_before_start(configs, world, shape)
+        shape = RunLayout.from_configs(configs, world)
+        check_before_start(configs, shape)
     except (ValueError, OSError) as error:
         _fail(error)
-    setup_parallel(configs)
+    setup_parallel(configs, shape)
     try:
         if prepare:
             prepare(configs)
@@ -321,13 +232,9 @@ def pretrain(configs: Configs, model_provider: Callable, forward_step_func: Call
                    evals * t.eval_iters * shape.global_batch_size, 0)
     train_iter, valid_iter = datasets_provider(configs, num_samples, consumed)
     n_params = sum(p.numel() for c in model for p in c.parameters())
-    cp = configs.parallel.context_parallel_size
     log(f"model: {configs.model.num_layers} layers, hidden {configs.model.hidden_size}, "
-        f"{n_params:,} parameters on rank 0 | world {world} = TP "
-        f"{configs.parallel.tensor_model_parallel_size} x "
-        f"{f'CP {cp} x ' if cp > 1 else ''}PP "
-        f"{configs.parallel.pipeline_model_parallel_size} x DP {shape.data_parallel_size} | "
-        f"global batch {shape.global_batch_size} = {shape.num_microbatches} microbatches x "
+        f"{n_params:,} parameters on rank 0 | {shape.describe()} | global batch "
+        f"{shape.global_batch_size} = {shape.num_microbatches} microbatches x "
         f"{t.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
     log_pipeline(configs, shape)
     logger = TrainingLogger(configs, shape)
@@ -339,7 +246,7 @@ def pretrain(configs: Configs, model_provider: Callable, forward_step_func: Call
     return TrainResult(model, losses)
 
 
-def _train_loop(configs: Configs, shape: RunShape, model: list, optimizer, scheduler,
+def _train_loop(configs: Configs, shape: RunLayout, model: list, optimizer, scheduler,
                 forward_step_func: Callable, train_iter, valid_iter, logger: TrainingLogger,
                 iteration: int, consumed: int) -> dict[int, float]:
     """Steps from `iteration` to --train-iters (or an exit); the loss of each step."""

@@ -14,7 +14,8 @@ from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.data.tokenizer_training import train_sentencepiece
 from megalite.optimizer.optimizer import (apex_fused_adam, load_portable_state_dict,
                                           portable_state_dict)
-from megalite.training import validate_configs
+from megalite.layout import RunLayout
+from megalite.training import check_before_start
 from tests.gpt_run import VOCAB, make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 
@@ -43,7 +44,7 @@ def _one_line(error) -> str:
 def test_token_ids_beyond_the_vocabulary(data):
     configs = parse_configs(tiny_args(data, "unused", 2, "--vocab-size", "50"))
     with pytest.raises(ValueError) as error:
-        validate_configs(configs, 1)
+        check_before_start(configs, RunLayout.from_configs(configs, 1))
     assert _one_line(error).startswith(f"{data}.bin: token id 96 >= vocabulary size 50")
 
 
@@ -60,7 +61,7 @@ def test_empty_dataset_or_train_split(tmp_path, documents, split, expected):
     builder.finalize(prefix + ".idx")
     configs = parse_configs(tiny_args(prefix, "unused", 2, "--split", split))
     with pytest.raises(ValueError) as error:
-        validate_configs(configs, 1)
+        check_before_start(configs, RunLayout.from_configs(configs, 1))
     assert expected in _one_line(error)
 
 

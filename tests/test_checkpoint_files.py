@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from megalite import checkpoint_io, checkpointing
 from megalite.config import parse_configs
-from megalite.training import check_before_start, validate_configs
+from megalite.layout import RunLayout
+from megalite.training import check_before_start
 from tests.gpt_run import VOCAB, make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 
@@ -126,10 +127,10 @@ def test_save_into_a_directory_with_a_newer_iteration_is_refused(saved, tmp_path
     configs = parse_configs(tiny_args(prefix, ck, 4))
     with pytest.raises(ValueError, match=f"--save {ck} already holds iteration 2, newer than "
                                          f"this run's start \\(0\\)") as error:
-        check_before_start(configs, 1, validate_configs(configs, 1))
+        check_before_start(configs, RunLayout.from_configs(configs, 1))
     assert "\n" not in str(error.value)
     resume = parse_configs(tiny_args(prefix, ck, 4, "--load", ck, "--tp", "2"))
-    check_before_start(resume, 2, validate_configs(resume, 2))  # resuming it is fine
+    check_before_start(resume, RunLayout.from_configs(resume, 2))  # resuming it is fine
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -143,7 +144,7 @@ def test_every_model_field_and_the_precision_are_checked_on_load(saved, argv, ex
     prefix, ck = saved
     configs = parse_configs(tiny_args(prefix, "unused", 4, "--load", ck, "--tp", "2", *argv))
     with pytest.raises(ValueError, match="--load") as error:
-        check_before_start(configs, 2, validate_configs(configs, 2))
+        check_before_start(configs, RunLayout.from_configs(configs, 2))
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 

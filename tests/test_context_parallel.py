@@ -16,9 +16,8 @@ from megalite.config import parse_configs
 from megalite.hf import (gpt2_config, gpt2_to_megalite, llama_config, llama_to_megalite,
                          load_gpt2, load_llama)
 from megalite.mpu import comm
-from megalite.mpu.context_parallel import check_sequence_split
 from megalite.mpu.parallel_state import GridLayout
-from megalite.training import validate_configs
+from megalite.layout import RunLayout, check_sequence_split
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 from tests.parallel_step import VOCAB, SEQ, global_batch, parallel_step
@@ -122,7 +121,7 @@ def test_bad_sequence_splits_fail_with_one_line():
 def test_bad_flags_fail_in_validation(argv, world, message):
     configs = parse_configs(["--max-position-embeddings", "32", "--seq-length", "16", *argv])
     with pytest.raises(ValueError) as error:
-        validate_configs(configs, world)
+        RunLayout.from_configs(configs, world)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
@@ -153,8 +152,8 @@ def test_grid_layout_is_tp_cp_dp_pp():
     assert grid.data_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert grid.data_context_groups() == [list(range(8))]
     assert [grid.cp_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert [grid.coords(r) for r in (0, 3, 4, 7)] == [(0, 0, 0), (0, 0, 0), (0, 1, 0),
-                                                      (0, 1, 0)]
+    assert [grid.coords(r) for r in (0, 3, 4, 7)] == [(0, 0, 0, 0), (0, 3, 0, 0), (0, 0, 1, 0),
+                                                      (0, 3, 1, 0)]
 
 
 def test_any_sequence_length_without_context_parallelism():

@@ -10,6 +10,7 @@ from megalite.config import ModelConfig, parse_configs
 from megalite.device import free_port
 from megalite.models import GPTModel
 from megalite.optimizer import get_optimizer
+from megalite.layout import RunLayout
 from megalite.training import build_model, setup_parallel
 from tests.gpt_run import make_dataset, tiny_args
 from tests.multirank import run_on_ranks
@@ -32,7 +33,7 @@ def _load_and_save_sharded(src: str, dst: str, layout: list[str]) -> None:
     meta = checkpointing.read_meta(src)
     configs = parse_configs(layout)
     configs.model = ModelConfig(**meta["model_config"])
-    setup_parallel(configs)
+    setup_parallel(configs, RunLayout.from_configs(configs, torch.distributed.get_world_size()))
 
     def provider(pre_process: bool, post_process: bool) -> GPTModel:
         return GPTModel(configs.model, pre_process=pre_process, post_process=post_process)

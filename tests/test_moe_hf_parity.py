@@ -14,8 +14,8 @@ from megalite.models.sharding import load_full_state_dict
 from megalite.models.stage import finalize_model_grads
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel
-from megalite.training import build_model, run_schedule, setup_parallel, train_step, \
-    validate_configs
+from megalite.layout import RunLayout
+from megalite.training import build_model, run_schedule, setup_parallel, train_step
 from tests.multirank import run_on_ranks
 from tests.reference import hf_token_loss, random_hf_model, rel_err
 
@@ -54,8 +54,8 @@ def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
                              "--lr-decay-style", "constant", "--train-iters", "10"])
     configs.model = moe_config(hf.config)
     configs.model.max_position_embeddings = 32
-    shape = validate_configs(configs, torch.distributed.get_world_size())
-    setup_parallel(configs)
+    shape = RunLayout.from_configs(configs, torch.distributed.get_world_size())
+    setup_parallel(configs, shape)
     model = build_model(configs, lambda pre_process, post_process: GPTModel(
         configs.model, pre_process=pre_process, post_process=post_process))
     load_full_state_dict(model, moe_to_megalite(hf.state_dict(), configs.model))

@@ -82,7 +82,7 @@ def test_single_process_layer_matches_loop_outputs_and_grads(kw):
 def test_bad_expert_layouts_fail_with_one_line():
     from megalite.config import (CheckpointConfig, Configs, DataConfig, OptimizerConfig,
                                  PrecisionConfig, TrainConfig)
-    from megalite.training import validate_configs
+    from megalite.layout import RunLayout
     with pytest.raises(ValueError, match=r"^--moe-router-topk \(5\) must be between 1 and "
                                          r"--num-experts \(4\)$"):
         ModelConfig(num_experts=4, moe_router_topk=5)
@@ -93,7 +93,7 @@ def test_bad_expert_layouts_fail_with_one_line():
                           OptimizerConfig(), TrainConfig(seq_length=64), DataConfig(),
                           CheckpointConfig())
         with pytest.raises(ValueError) as error:
-            validate_configs(configs, world)
+            RunLayout.from_configs(configs, world)
         assert "\n" not in str(error.value)
         return str(error.value)
     assert check(6, 4, 8) == "--num-experts (6) must be divisible by " \

@@ -85,7 +85,7 @@ def test_design_example_layout():
 ])
 def test_invalid_sizes_fail_with_one_line(world, tp, pp, vpp, flag):
     with pytest.raises(ValueError, match=flag) as err:
-        ps.validate_sizes(world, tp, pp, vpp)
+        ps.GridLayout.from_world(world, tp, pp, vpp=vpp)
     assert "\n" not in str(err.value)
 
 

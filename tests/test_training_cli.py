@@ -8,7 +8,7 @@ import pytest
 
 from megalite import checkpointing
 from megalite.config import Configs, parse_configs
-from megalite.training import validate_configs
+from megalite.layout import RunLayout
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 
@@ -74,7 +74,7 @@ def _configs(data: str, *argv: str) -> Configs:
 ])
 def test_invalid_layouts_are_rejected_before_any_collective(data, argv, world, flag):
     with pytest.raises(ValueError, match=flag) as error:
-        validate_configs(_configs(data, *argv), world)
+        RunLayout.from_configs(_configs(data, *argv), world)
     assert "\n" not in str(error.value)
 
 

@@ -54,7 +54,8 @@ from megalite.hf import load_gpt2, load_llama, to_gpt2_config, to_llama_config  
 from megalite.models import GPTModel, TransformerSpec  # noqa: E402
 from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
 from megalite.optimizer import get_optimizer  # noqa: E402
-from megalite.training import RunShape, train_step  # noqa: E402
+from megalite.layout import RunLayout  # noqa: E402
+from megalite.training import train_step  # noqa: E402
 
 H100_BF16_DENSE = 989e12
 LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
@@ -165,7 +166,7 @@ class MegaliteRunner:
         self.model = [DistributedDataParallel(model, bucket_size=opt.ddp_bucket_size,
                                               overlap_grad_reduce=opt.overlap_grad_reduce)]
         self.optimizer, self.scheduler = get_optimizer(opt, prec, self.model, 10 ** 6)
-        self.shape = RunShape(1, micro, 1)
+        self.shape = RunLayout.from_configs(self.configs, 1)
 
     def step(self, tokens: torch.Tensor) -> float:
         loss, stepped, _ = train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]),

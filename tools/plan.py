@@ -193,11 +193,12 @@ def measure_rank(argv: list[str]) -> dict:
     import pretrain_gpt
     from bench_memory import _state_bytes
     from megalite import training
+    from megalite.layout import RunLayout
     from megalite.mpu import parallel_state as ps
     from megalite.optimizer import get_optimizer
     configs, _ = parse(argv)
-    shape = training.validate_configs(configs, torch.distributed.get_world_size())
-    training.setup_parallel(configs)
+    shape = RunLayout.from_configs(configs, torch.distributed.get_world_size())
+    training.setup_parallel(configs, shape)
     model = training.build_model(configs, functools.partial(pretrain_gpt.model_provider, configs))
     optimizer, _ = get_optimizer(configs.optimizer, configs.precision, model, 10)
     t = configs.train

@@ -7,6 +7,7 @@ from torch import nn
 from megalite.models.sharding import unwrap
 from megalite.mpu import comm, parallel_state
 from megalite.mpu.layers import VocabParallelEmbedding, allreduce_tp_partial_grads
+from megalite.placement import Placement
 
 
 def pipeline_layer_range(num_layers: int, pp_size: int | None = None, pp_rank: int | None = None,
@@ -15,7 +16,7 @@ def pipeline_layer_range(num_layers: int, pp_size: int | None = None, pp_rank: i
     """[first, last) global layers of a (pipeline rank, virtual chunk); defaults from the grid.
 
     Rank r, chunk c holds global stage c * p + r of p * v equal stages (V placement, zbv:
-    stage r for chunk 0 and 2p-1-r for chunk 1; see parallel_state.Placement).
+    stage r for chunk 0 and 2p-1-r for chunk 1; see megalite.placement.Placement).
     """
     p = parallel_state.get_pipeline_model_parallel_world_size() if pp_size is None else pp_size
     r = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
@@ -23,11 +24,9 @@ def pipeline_layer_range(num_layers: int, pp_size: int | None = None, pp_rank: i
         else vpp_size
     c = parallel_state.get_virtual_pipeline_model_parallel_rank() if vpp_rank is None else vpp_rank
     v, c = v or 1, c or 0
-    if num_layers % (p * v):
-        raise ValueError(f"--num-layers ({num_layers}) must be divisible by pipeline size ({p}) "
-                         f"x virtual chunks ({v}) = {p * v}")
+    assert num_layers % (p * v) == 0, "the run layout checks --num-layers against PP x VPP"
     per_stage = num_layers // (p * v)
-    stage = parallel_state.Placement(p, v, parallel_state.is_pipeline_v_shape()).stage(r, c)
+    stage = Placement(p, v, parallel_state.is_pipeline_v_shape()).stage(r, c)
     return stage * per_stage, (stage + 1) * per_stage
 
 

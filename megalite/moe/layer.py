@@ -22,19 +22,6 @@ from megalite.mpu.random import seeded
 from megalite.mpu.weight_grad import linear
 
 
-def check_expert_partition(num_experts: int, topk: int, ep: int, dp: int) -> None:
-    """One ValueError line for a layout the experts cannot take."""
-    if not 1 <= topk <= num_experts:
-        raise ValueError(f"--moe-router-topk ({topk}) must be between 1 and --num-experts "
-                         f"({num_experts})")
-    if num_experts % ep:
-        raise ValueError(f"--num-experts ({num_experts}) must be divisible by "
-                         f"--expert-model-parallel-size ({ep})")
-    if dp % ep:
-        raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel "
-                         f"size ({dp}): EP ranks are carved out of DP")
-
-
 class MoELayer(nn.Module):
     """forward(x [s, b, h]) -> [s, b, h].
 
@@ -60,7 +47,9 @@ class MoELayer(nn.Module):
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if group is None \
             else group
         ep = comm.world_size(self.expert_group)
-        check_expert_partition(num_experts, topk, ep, ep)
+        # megalite.config and megalite.layout check these for a run, naming the flag
+        assert 1 <= topk <= num_experts and num_experts % ep == 0, \
+            "top-k must be in [1, experts] and the experts divisible by the EP size"
         self.num_experts, self.topk, self.layer_number = num_experts, topk, layer_number
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor = capacity_factor

@@ -11,24 +11,9 @@ import torch
 from megalite.mpu import parallel_state
 
 
-def check_sequence_split(seq_length: int, tensor_model_parallel_size: int,
-                         sequence_parallel: bool, context_parallel_size: int) -> None:
-    """One clear ValueError when --seq-length cannot be split as asked (no collective)."""
-    tp, cp = tensor_model_parallel_size, context_parallel_size
-    if sequence_parallel and tp == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if cp > 1 and seq_length % (2 * cp):
-        raise ValueError(f"--seq-length ({seq_length}) must be divisible by 2 x "
-                         f"--context-parallel-size ({2 * cp}) (load-balanced chunks)")
-    if sequence_parallel and (seq_length // cp) % tp:
-        raise ValueError(f"--sequence-parallel: --seq-length ({seq_length}) / "
-                         f"--context-parallel-size ({cp}) must be divisible by "
-                         f"--tensor-model-parallel-size ({tp})")
-
-
 def chunk_positions(seq_length: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Global positions [s / cp] held by CP rank `rank`: chunks rank and 2 cp - 1 - rank."""
-    check_sequence_split(seq_length, 1, False, cp)
+    assert seq_length % (2 * cp) == 0, "the run layout checks --seq-length against 2 x CP"
     chunk = seq_length // (2 * cp)
     starts = (rank * chunk, (2 * cp - 1 - rank) * chunk)
     return torch.cat([torch.arange(s, s + chunk, device=device) for s in starts])

@@ -23,24 +23,71 @@ from megalite.placement import Placement
 
 @dataclass(frozen=True)
 class GridLayout:
-    """The rank lists of every group for a world of `tp * cp * dp * pp` ranks (pure data)."""
+    """The process grid of `tp * cp * dp * pp` ranks: the size of every axis (plus the
+    pipeline's virtual chunks and their placement) and the rank lists of every group (pure
+    data). `from_world` builds a checked one."""
 
     tp: int
     pp: int
     dp: int
     cp: int = 1
     ep: int = 1
+    vpp: int | None = None
+    v_shape: bool = False  # the two chunks of pipeline rank r hold stages r and 2p-1-r (zbv)
 
-    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+    @classmethod
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                   vpp: int | None = None, v_shape: bool = False) -> "GridLayout":
+        """The grid of `world_size` ranks (DP = the rest); ValueError (one line naming the
+        flag) for a layout that cannot be built. No process group is touched."""
+        for flag, size in (("--tensor-model-parallel-size", tp),
+                           ("--pipeline-model-parallel-size", pp),
+                           ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep)):
+            if size < 1:
+                raise ValueError(f"{flag} must be >= 1, got {size}")
+        if world_size % (tp * cp * pp):
+            raise ValueError(f"world size {world_size} is not divisible by tensor ({tp}) x "
+                             f"context ({cp}) x pipeline ({pp}) parallel size = {tp * cp * pp}")
+        if vpp is not None and (vpp < 1 or pp < 2):
+            raise ValueError(f"--virtual-pipeline-model-parallel-size ({vpp}) needs "
+                             f"--pipeline-model-parallel-size > 1 and a value >= 1 (got pp={pp})")
+        dp = world_size // (tp * cp * pp)
+        if dp % ep:
+            raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel "
+                             f"size ({dp}): EP ranks are carved out of DP")
+        if ep > 1 and cp > 1:
+            raise ValueError(f"--expert-model-parallel-size ({ep}) needs --context-parallel-size "
+                             f"1 (got {cp})")
+        if v_shape and vpp != 2:
+            raise ValueError(f"V-shape placement needs 2 model chunks per pipeline rank, got "
+                             f"--vpp {vpp}")
+        return cls(tp, pp, dp, cp, ep, vpp, v_shape)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def placement(self) -> Placement:
+        """Where the (pipeline rank, virtual chunk) pairs sit among the stages."""
+        return Placement(self.pp, self.vpp or 1, self.v_shape)
+
+    def as_dict(self) -> dict:
+        """The layout a checkpoint records (CP and EP only when > 1, so older metadata,
+        saved before they existed, compares equal)."""
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vpp": self.vpp,
+                **({"cp": self.cp} if self.cp > 1 else {}),
+                **({"ep": self.ep} if self.ep > 1 else {})}
+
+    def rank(self, tp_rank: int, cp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        """The global rank at these coordinates (tp-cp-dp-pp order, TP fastest)."""
         return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(tp_rank, dp_rank, pp_rank) of a global rank."""
-        rest = rank // (self.tp * self.cp)
-        return rank % self.tp, rest % self.dp, rest // self.dp
-
-    def cp_rank(self, rank: int) -> int:
-        return (rank // self.tp) % self.cp
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(tp_rank, cp_rank, dp_rank, pp_rank) of a global rank."""
+        rest = rank // self.tp
+        return rank % self.tp, rest % self.cp, rest // self.cp % self.dp, \
+            rest // (self.cp * self.dp)
 
     def _groups(self, vary: str) -> list[list[int]]:
         """One rank list per setting of the other axes, varying the axes in `vary` (letters of
@@ -53,7 +100,7 @@ class GridLayout:
             ranks = []
             for inner in itertools.product(*(range(sizes[a]) for a in reversed(vary))):
                 coord.update(zip(reversed(vary), inner))
-                ranks.append(self.rank(coord["t"], coord["d"], coord["p"], coord["c"]))
+                ranks.append(self.rank(coord["t"], coord["c"], coord["d"], coord["p"]))
             groups.append(sorted(ranks))
         return groups
 
@@ -90,42 +137,20 @@ class GridLayout:
         return [group[i::self.ep] for group in self.data_groups() for i in range(self.ep)]
 
 
-def validate_sizes(world_size: int, tensor_model_parallel_size: int,
-                   pipeline_model_parallel_size: int,
-                   virtual_pipeline_model_parallel_size: int | None,
-                   context_parallel_size: int = 1) -> int:
-    """Check the requested layout; return the data-parallel size. Raises ValueError (one line)."""
-    tp, pp, vpp = tensor_model_parallel_size, pipeline_model_parallel_size, \
-        virtual_pipeline_model_parallel_size
-    cp = context_parallel_size
-    if tp < 1 or pp < 1 or cp < 1:
-        raise ValueError(f"--tensor-model-parallel-size ({tp}), --pipeline-model-parallel-size "
-                         f"({pp}) and --context-parallel-size ({cp}) must be >= 1")
-    if world_size % (tp * cp * pp):
-        raise ValueError(f"world size {world_size} is not divisible by tensor ({tp}) x context "
-                         f"({cp}) x pipeline ({pp}) parallel size = {tp * cp * pp}")
-    if vpp is not None and (vpp < 1 or pp < 2):
-        raise ValueError(f"--virtual-pipeline-model-parallel-size ({vpp}) needs "
-                         f"--pipeline-model-parallel-size > 1 and a value >= 1 (got pp={pp})")
-    return world_size // (tp * cp * pp)
+class _ProcessGroups:
+    """This process's groups of the current grid (None before initialisation)."""
 
-
-class _State:
-    layout: GridLayout | None = None
+    grid: GridLayout | None = None
     tp_group = dp_group = pp_group = model_group = embedding_group = None
     cp_group = dp_cp_group = ep_group = expert_dp_group = None
     tp_ranks: list[int] = []
     dp_ranks: list[int] = []
-    cp_ranks: list[int] = []
-    dp_cp_ranks: list[int] = []
     pp_ranks: list[int] = []
     embedding_ranks: list[int] = []
-    virtual_size: int | None = None
-    virtual_rank: int | None = None
-    v_shape: bool = False
+    virtual_rank: int | None = None  # the chunk being built (build_model_chunks)
 
 
-_S = _State()
+_groups = _ProcessGroups()
 
 
 def _new_groups(rank_lists: list[list[int]], my_rank: int, timeout: datetime.timedelta | None):
@@ -144,9 +169,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               context_parallel_size: int = 1,
                               v_shape_placement: bool = False,
                               timeout_s: float | None = None,
-                              expert_model_parallel_size: int = 1) -> None:
+                              expert_model_parallel_size: int = 1, *,
+                              grid: GridLayout | None = None) -> None:
     """Build the TP/CP/DP/DPxCP/PP/model/embedding (and expert) groups on the default
-    process group.
+    process group: of `grid` (a run's layout, megalite.layout.RunLayout.grid), or of the
+    sizes given (Megatron's arguments, checked by GridLayout.from_world).
 
     v_shape_placement: the two chunks of pipeline rank r hold stages r and 2p-1-r (the zbv
     schedule; needs virtual_pipeline_model_parallel_size 2) instead of r and p + r.
@@ -159,69 +186,67 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         raise RuntimeError("initialize_model_parallel: torch.distributed is not initialized "
                            "(call megalite.device.init_distributed first)")
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp = validate_sizes(world, tensor_model_parallel_size, pipeline_model_parallel_size,
-                        virtual_pipeline_model_parallel_size, context_parallel_size)
-    ep = expert_model_parallel_size
-    if dp % ep:
-        raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel "
-                         f"size ({dp}): EP ranks are carved out of DP")
-    if ep > 1 and context_parallel_size > 1:
-        raise ValueError(f"--expert-model-parallel-size ({ep}) needs --context-parallel-size 1 "
-                         f"(got {context_parallel_size})")
-    if v_shape_placement and virtual_pipeline_model_parallel_size != 2:
-        raise ValueError(f"V-shape placement needs 2 model chunks per pipeline rank, got "
-                         f"--vpp {virtual_pipeline_model_parallel_size}")
-    layout = GridLayout(tensor_model_parallel_size, pipeline_model_parallel_size, dp,
-                        context_parallel_size, ep)
+    if grid is None:
+        grid = GridLayout.from_world(world, tensor_model_parallel_size,
+                                     pipeline_model_parallel_size, context_parallel_size,
+                                     expert_model_parallel_size,
+                                     virtual_pipeline_model_parallel_size, v_shape_placement)
+    if grid.world_size != world:
+        raise ValueError(f"the layout needs {grid.world_size} ranks, the job has {world}")
     destroy_model_parallel()  # a new layout replaces the groups of the previous one
-    _S.layout = layout
+    _groups.grid = grid
     timeout = process_group_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    _S.tp_group, _S.tp_ranks = _new_groups(layout.tensor_groups(), rank, timeout)
-    _S.dp_group, _S.dp_ranks = _new_groups(layout.data_groups(), rank, timeout)
-    _S.cp_group, _S.cp_ranks = _new_groups(layout.context_groups(), rank, timeout)
-    _S.dp_cp_group, _S.dp_cp_ranks = _new_groups(layout.data_context_groups(), rank, timeout)
-    _S.pp_group, _S.pp_ranks = _new_groups(layout.pipeline_groups(), rank, timeout)
-    _S.model_group, _ = _new_groups(layout.model_groups(), rank, timeout)
-    _S.embedding_group, _S.embedding_ranks = _new_groups(layout.embedding_groups(), rank, timeout)
-    _S.ep_group = _S.expert_dp_group = None  # EP = 1: no expert groups (see the getters)
-    if ep > 1:
-        _S.ep_group, _ = _new_groups(layout.expert_model_groups(), rank, timeout)
-        _S.expert_dp_group, _ = _new_groups(layout.expert_data_groups(), rank, timeout)
-    _S.virtual_size = virtual_pipeline_model_parallel_size
-    _S.virtual_rank = 0 if virtual_pipeline_model_parallel_size else None
-    _S.v_shape = v_shape_placement
+    g = _groups
+    g.tp_group, g.tp_ranks = _new_groups(grid.tensor_groups(), rank, timeout)
+    g.dp_group, g.dp_ranks = _new_groups(grid.data_groups(), rank, timeout)
+    g.cp_group, _ = _new_groups(grid.context_groups(), rank, timeout)
+    g.dp_cp_group, _ = _new_groups(grid.data_context_groups(), rank, timeout)
+    g.pp_group, g.pp_ranks = _new_groups(grid.pipeline_groups(), rank, timeout)
+    g.model_group, _ = _new_groups(grid.model_groups(), rank, timeout)
+    g.embedding_group, g.embedding_ranks = _new_groups(grid.embedding_groups(), rank, timeout)
+    if grid.ep > 1:  # EP = 1: no expert groups (see the getters)
+        g.ep_group, _ = _new_groups(grid.expert_model_groups(), rank, timeout)
+        g.expert_dp_group, _ = _new_groups(grid.expert_data_groups(), rank, timeout)
+    g.virtual_rank = 0 if grid.vpp else None
 
 
 def model_parallel_is_initialized() -> bool:
-    return _S.layout is not None
+    return _groups.grid is not None
+
+
+GROUP_NAMES = ("tp_group", "dp_group", "pp_group", "model_group", "embedding_group", "cp_group",
+               "dp_cp_group", "ep_group", "expert_dp_group")
 
 
 def destroy_model_parallel() -> None:
-    """Forget every group so a test can initialise another layout."""
-    for name in ("tp_group", "dp_group", "pp_group", "model_group", "embedding_group",
-                 "cp_group", "dp_cp_group", "ep_group", "expert_dp_group"):
-        group = getattr(_S, name)
+    """Destroy and forget every group so a test can initialise another layout."""
+    for name in GROUP_NAMES:
+        group = getattr(_groups, name)
         if group is not None and dist.is_initialized():
             dist.destroy_process_group(group)
-        setattr(_S, name, None)
-    _S.layout = None
-    _S.virtual_size = _S.virtual_rank = None
-    _S.v_shape = False
+        setattr(_groups, name, None)
+    _groups.grid = None
+    _groups.virtual_rank = None
 
 
-def _layout() -> GridLayout:
-    if _S.layout is None:
+def get_grid() -> GridLayout | None:
+    """The current grid (None before initialisation)."""
+    return _groups.grid
+
+
+def _grid() -> GridLayout:
+    if _groups.grid is None:
         raise RuntimeError("model parallel groups are not initialized "
                            "(call megalite.mpu.initialize_model_parallel)")
-    return _S.layout
+    return _groups.grid
 
 
 def _group(name: str):
     """The named group; None (a group of one) in a single process that never initialised."""
-    if _S.layout is None and (not dist.is_initialized() or dist.get_world_size() == 1):
+    if _groups.grid is None and (not dist.is_initialized() or dist.get_world_size() == 1):
         return None
-    _layout()
-    return getattr(_S, name)
+    _grid()
+    return getattr(_groups, name)
 
 
 def get_tensor_model_parallel_group():
@@ -252,87 +277,86 @@ def get_embedding_group():
 
 
 def get_embedding_ranks() -> list[int]:
-    _layout()
-    return list(_S.embedding_ranks)
+    _grid()
+    return list(_groups.embedding_ranks)
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return _layout().tp if _S.layout else 1
+    return _groups.grid.tp if _groups.grid else 1
 
 
 def get_pipeline_model_parallel_world_size() -> int:
-    return _layout().pp if _S.layout else 1
+    return _groups.grid.pp if _groups.grid else 1
 
 
 def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
-    if not _S.layout:
+    grid = _groups.grid
+    if grid is None:
         return 1
-    return _S.layout.dp * (_S.layout.cp if with_context_parallel else 1)
+    return grid.dp * (grid.cp if with_context_parallel else 1)
 
 
 def get_context_parallel_world_size() -> int:
-    return _layout().cp if _S.layout else 1
+    return _groups.grid.cp if _groups.grid else 1
 
 
-def get_context_parallel_rank() -> int:
-    return _layout().cp_rank(dist.get_rank()) if _S.layout else 0
-
-
-def get_context_parallel_ranks() -> list[int]:
-    return list(_S.cp_ranks)
-
-
-def _coords() -> tuple[int, int, int]:
-    return _layout().coords(dist.get_rank()) if _S.layout else (0, 0, 0)
+def _coords() -> tuple[int, int, int, int]:
+    """(tp, cp, dp, pp) rank of this process (all 0 before initialisation)."""
+    return _groups.grid.coords(dist.get_rank()) if _groups.grid else (0, 0, 0, 0)
 
 
 def get_tensor_model_parallel_rank() -> int:
     return _coords()[0]
 
 
-def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
-    if with_context_parallel:
-        return get_data_parallel_rank() * get_context_parallel_world_size() \
-            + get_context_parallel_rank()
+def get_context_parallel_rank() -> int:
     return _coords()[1]
 
 
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    _, cp_rank, dp_rank, _ = _coords()
+    if with_context_parallel:
+        return dp_rank * get_context_parallel_world_size() + cp_rank
+    return dp_rank
+
+
 def get_pipeline_model_parallel_rank() -> int:
-    return _coords()[2]
+    return _coords()[3]
 
 
 def get_tensor_model_parallel_ranks() -> list[int]:
-    return list(_S.tp_ranks)
+    return list(_groups.tp_ranks)
 
 
 def get_pipeline_model_parallel_ranks() -> list[int]:
-    return list(_S.pp_ranks)
+    return list(_groups.pp_ranks)
 
 
 def get_data_parallel_ranks() -> list[int]:
-    return list(_S.dp_ranks)
+    return list(_groups.dp_ranks)
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
-    return _S.virtual_size
+    return _groups.grid.vpp if _groups.grid else None
 
 
 def get_virtual_pipeline_model_parallel_rank() -> int | None:
-    return _S.virtual_rank
+    """The chunk being built (megalite.models.stage.build_model_chunks sets it)."""
+    return _groups.virtual_rank
 
 
 def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
-    _S.virtual_rank = rank
+    _groups.virtual_rank = rank
 
 
 def is_pipeline_v_shape() -> bool:
     """Whether the two chunks of each pipeline rank sit in V placement (zbv)."""
-    return _S.v_shape
+    return bool(_groups.grid and _groups.grid.v_shape)
 
 
 def get_pipeline_placement() -> Placement:
     """Where this grid's (pipeline rank, virtual chunk) pairs sit among the stages."""
-    return Placement(get_pipeline_model_parallel_world_size(), _S.virtual_size or 1, _S.v_shape)
+    return _groups.grid.placement if _groups.grid else Placement(1, 1)
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
@@ -340,7 +364,7 @@ def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
     any chunk."""
     place = get_pipeline_placement()
     rank = get_pipeline_model_parallel_rank()
-    return place.locate(0) == (rank, _S.virtual_rank or 0) if not ignore_virtual \
+    return place.locate(0) == (rank, _groups.virtual_rank or 0) if not ignore_virtual \
         else place.locate(0)[0] == rank
 
 
@@ -350,16 +374,16 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     place = get_pipeline_placement()
     rank = get_pipeline_model_parallel_rank()
     last = place.locate(place.num_stages - 1)
-    return last == (rank, _S.virtual_rank or 0) if not ignore_virtual else last[0] == rank
+    return last == (rank, _groups.virtual_rank or 0) if not ignore_virtual else last[0] == rank
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
-    ranks = _S.pp_ranks
+    ranks = _groups.pp_ranks
     return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
 
 
 def get_pipeline_model_parallel_prev_rank() -> int:
-    ranks = _S.pp_ranks
+    ranks = _groups.pp_ranks
     return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
 
 
@@ -376,16 +400,11 @@ def get_expert_data_parallel_group():
 
 
 def get_expert_model_parallel_world_size() -> int:
-    return _layout().ep if _S.layout else 1
+    return _groups.grid.ep if _groups.grid else 1
 
 
 def get_expert_model_parallel_rank() -> int:
     return get_data_parallel_rank() % get_expert_model_parallel_world_size()
-
-
-def get_expert_data_parallel_world_size() -> int:
-    return get_data_parallel_world_size(with_context_parallel=True) \
-        // get_expert_model_parallel_world_size()
 
 
 def get_expert_data_parallel_rank() -> int:

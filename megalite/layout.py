@@ -1,0 +1,160 @@
+"""The run layout: every size of a training run, derived and checked once from the configs.
+
+`RunLayout.from_configs(configs, world_size)` is the one place that answers "is this layout
+legal, and what follows from it" (torchtitan's ParallelDims plus Megatron's derived sizes):
+the process grid (TP x CP x DP x PP, EP carved out of DP, virtual chunks and their
+placement), microbatches per step, the resolved pipeline schedule, and every cross-flag
+rule between them and the model, each failing with one line naming the flag. It needs no
+process group, so a bad flag ends every rank before any collective. Process groups
+(`initialize_model_parallel(grid=...)`), the step function, the planner, checkpoint metadata
+and the entry scripts read it; layer constructors keep only cheap asserts.
+"""
+from dataclasses import dataclass
+
+from megalite.config import Configs, ModelConfig, ParallelConfig
+from megalite.mpu.parallel_state import GridLayout
+from megalite.optimizer.scheduler import check_decay_iters
+from megalite.placement import GPIPE, INTERLEAVED, ZB_H1, ZBV
+from megalite.schedules import resolve_schedule
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The checked sizes of one run (build with `from_configs`)."""
+
+    grid: GridLayout
+    schedule: str              # the resolved pipeline schedule (1f1b when PP = 1)
+    micro_batch_size: int      # sequences per microbatch per DP rank
+    global_batch_size: int     # sequences per step, all DP ranks
+    num_microbatches: int      # per step per DP rank
+    seq_length: int
+    sequence_parallel: bool
+
+    @property
+    def world_size(self) -> int:
+        return self.grid.world_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.grid.dp
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.grid.vpp or 1
+
+    @property
+    def seq_length_per_rank(self) -> int:
+        """Tokens of each sequence a rank holds between layers: s / CP (/ TP with SP)."""
+        return self.seq_length // self.grid.cp // (self.grid.tp if self.sequence_parallel else 1)
+
+    def describe(self) -> str:
+        """'world 8 = TP 2 x PP 2 x DP 2' (CP, EP and VPP named when used)."""
+        g = self.grid
+        cp = f"CP {g.cp} x " if g.cp > 1 else ""
+        vpp = f" (VPP {g.vpp})" if g.vpp else ""
+        ep = f" (EP {g.ep})" if g.ep > 1 else ""
+        return f"world {g.world_size} = TP {g.tp} x {cp}PP {g.pp}{vpp} x DP {g.dp}{ep}"
+
+    @classmethod
+    def from_configs(cls, configs: Configs, world_size: int) -> "RunLayout":
+        """The layout of `configs` on `world_size` ranks; ValueError (one line naming the
+        flag) for the first rule it breaks."""
+        p, m, t = configs.parallel, configs.model, configs.train
+        schedule = resolve_schedule(p.pipeline_schedule, p.pipeline_model_parallel_size,
+                                    p.virtual_pipeline_model_parallel_size)
+        _check_schedule_chunks(p, schedule)
+        grid = GridLayout.from_world(world_size, p.tensor_model_parallel_size,
+                                     p.pipeline_model_parallel_size, p.context_parallel_size,
+                                     p.expert_model_parallel_size,
+                                     p.virtual_pipeline_model_parallel_size, schedule == ZBV)
+        if p.data_parallel_size is not None and p.data_parallel_size != grid.dp:
+            raise ValueError(f"--dp {p.data_parallel_size} does not match world size "
+                             f"{world_size} / (TP {grid.tp} x CP {grid.cp} x PP {grid.pp}) = "
+                             f"{grid.dp}")
+        check_sequence_split(t.seq_length, grid.tp, p.sequence_parallel, grid.cp)
+        if t.seq_length > m.max_position_embeddings:
+            raise ValueError(f"--seq-length ({t.seq_length}) exceeds --max-position-embeddings "
+                             f"({m.max_position_embeddings})")
+        _check_model_split(m, p, grid)
+        global_batch = t.global_batch_size or t.micro_batch_size * grid.dp
+        if global_batch % (t.micro_batch_size * grid.dp):
+            raise ValueError(f"--global-batch-size ({global_batch}) must be divisible by "
+                             f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size "
+                             f"({grid.dp})")
+        microbatches = global_batch // (t.micro_batch_size * grid.dp)
+        _check_schedule_microbatches(schedule, grid.pp, microbatches)
+        o = configs.optimizer
+        check_decay_iters(o.lr_decay_style, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters)
+        return cls(grid, schedule, t.micro_batch_size, global_batch, microbatches, t.seq_length,
+                   p.sequence_parallel)
+
+
+def check_sequence_split(seq_length: int, tensor_model_parallel_size: int,
+                         sequence_parallel: bool, context_parallel_size: int) -> None:
+    """One clear ValueError when --seq-length cannot be split as asked."""
+    tp, cp = tensor_model_parallel_size, context_parallel_size
+    if sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if cp > 1 and seq_length % (2 * cp):
+        raise ValueError(f"--seq-length ({seq_length}) must be divisible by 2 x "
+                         f"--context-parallel-size ({2 * cp}) (load-balanced chunks)")
+    if sequence_parallel and (seq_length // cp) % tp:
+        raise ValueError(f"--sequence-parallel: --seq-length ({seq_length}) / "
+                         f"--context-parallel-size ({cp}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp})")
+
+
+def check_attention_split(num_attention_heads: int, num_query_groups: int, tp: int) -> None:
+    """One clear ValueError when heads / KV groups cannot be split over TP."""
+    if num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads ({num_attention_heads}) must be divisible by "
+                         f"the tensor-parallel size ({tp})")
+    if num_query_groups % tp and tp % num_query_groups:
+        raise ValueError(f"--num-query-groups ({num_query_groups}) must be a multiple or a "
+                         f"divisor of the tensor-parallel size ({tp})")
+
+
+def _check_model_split(m: ModelConfig, p: ParallelConfig, grid: GridLayout) -> None:
+    """The model's layers, heads, FFN and experts over the grid."""
+    chunks = grid.pp * (grid.vpp or 1)
+    if m.num_layers % chunks:
+        raise ValueError(f"--num-layers ({m.num_layers}) must be divisible by --pp x --vpp "
+                         f"({chunks})")
+    check_attention_split(m.num_attention_heads, m.query_groups, grid.tp)
+    if m.ffn_hidden_size % grid.tp:
+        raise ValueError(f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by --tp "
+                         f"({grid.tp})")
+    if grid.cp > 1 and m.attention_dropout:
+        raise ValueError(f"--context-parallel-size {grid.cp} needs --attention-dropout 0 "
+                         f"(got {m.attention_dropout})")
+    if m.num_experts is None:
+        if grid.ep > 1:
+            raise ValueError(f"--expert-model-parallel-size {grid.ep} needs --num-experts")
+        return
+    if m.num_experts % grid.ep:
+        raise ValueError(f"--num-experts ({m.num_experts}) must be divisible by "
+                         f"--expert-model-parallel-size ({grid.ep})")
+    if p.sequence_parallel or grid.cp > 1:
+        raise ValueError("--num-experts: MoE layers run without --sequence-parallel and with "
+                         "--context-parallel-size 1")
+
+
+def _check_schedule_chunks(p: ParallelConfig, schedule: str) -> None:
+    """Model chunks per rank that the asked schedule runs."""
+    name, vpp = p.pipeline_schedule, p.virtual_pipeline_model_parallel_size
+    if vpp and name in (GPIPE, ZB_H1):
+        raise ValueError(f"--pipeline-schedule {name} runs one model chunk per rank: drop --vpp "
+                         f"({vpp}) or choose interleaved or zbv")
+    if schedule == ZBV and vpp != 2:
+        raise ValueError(f"--pipeline-schedule zbv runs 2 model chunks per rank, got --vpp {vpp}")
+
+
+def _check_schedule_microbatches(schedule: str, pp: int, microbatches: int) -> None:
+    """Microbatches per step that the resolved schedule needs."""
+    source = "--global-batch-size / (--micro-batch-size x DP)"
+    if schedule == INTERLEAVED and microbatches % pp:
+        raise ValueError(f"interleaved schedule: microbatches per step ({microbatches} = "
+                         f"{source}) must be a multiple of --pp ({pp})")
+    if schedule == ZB_H1 and microbatches < pp:
+        raise ValueError(f"--pipeline-schedule zb-h1: microbatches per step ({microbatches} = "
+                         f"{source}) must be >= --pp ({pp})")
