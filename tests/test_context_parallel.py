@@ -151,7 +151,7 @@ def test_grid_layout_is_tp_cp_dp_pp():
     assert grid.context_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert grid.data_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert grid.data_context_groups() == [list(range(8))]
-    assert [grid.cp_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [grid.coords(r)[1] for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert [grid.coords(r) for r in (0, 3, 4, 7)] == [(0, 0, 0, 0), (0, 3, 0, 0), (0, 0, 1, 0),
                                                       (0, 3, 1, 0)]
 

@@ -7,7 +7,6 @@ transformers' continuations are cached beside the lead's logits reference (tests
 keyed by the file and the transformers version, since loading takes about a minute.
 """
 
-import pytest
 import torch
 
 from megalite.hf import smollm2_gguf_path
