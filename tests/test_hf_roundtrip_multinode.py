@@ -31,8 +31,9 @@ def convert(*argv: str) -> None:
 def _load_and_save_sharded(src: str, dst: str, layout: list[str]) -> None:
     """Load the converted checkpoint into the shards of `layout` (flags) and save it from them."""
     meta = checkpointing.read_meta(src)
-    configs = parse_configs(layout)
-    configs.model = ModelConfig(**meta["model_config"])
+    model_config = ModelConfig(**meta["model_config"])
+    configs = parse_configs([*layout, "--seq-length", str(model_config.max_position_embeddings)])
+    configs.model = model_config
     setup_parallel(configs, RunLayout.from_configs(configs, torch.distributed.get_world_size()))
 
     def provider(pre_process: bool, post_process: bool) -> GPTModel:
