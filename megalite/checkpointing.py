@@ -2,7 +2,8 @@
 
 Layout of `<dir>/iter_<N:07d>/`:
   meta.json                   iteration, consumed samples, the whole model config, parameter
-                              dtype, optimizer settings, parallel layout (rank 0)
+                              dtype, optimizer settings, parallel layout, the training
+                              task's small JSON state if any (rank 0)
   model_pp<P>.safetensors     full (TP-gathered, unpadded) parameters of pipeline stage P,
                               global names: readable by any safetensors tool
   model_pp<P>_ep<E>.safetensors  the experts of EP rank E > 0 of stage P (MoE; experts by
@@ -129,8 +130,11 @@ def _publish(root: str, iteration: int, tmp: str) -> None:
 
 
 def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
-                    scheduler, consumed_samples: int, model_config: ModelConfig) -> None:
+                    scheduler, consumed_samples: int, model_config: ModelConfig,
+                    task_state: dict | None = None) -> None:
     """Collective over the world: every rank writes its part, rank 0 publishes it.
+
+    `task_state` (JSON: the training task's own progress) is kept in meta.json as "task".
 
     Raises ValueError on every rank (publishing nothing) if any rank's weights are not finite.
     """
@@ -161,7 +165,7 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
             "format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
             "model_config": dataclasses.asdict(model_config),
             "params_dtype": _params_dtype(model), "optimizer": optimizer.settings(),
-            "layout": current_layout()})
+            "layout": current_layout(), **({"task": task_state} if task_state else {})})
     bad = torch.tensor([0.0 if finite else 1.0], device=next(model[0].parameters()).device)
     comm.all_reduce(bad, dist.group.WORLD, op=dist.ReduceOp.MAX)
     if bad.item():
@@ -184,9 +188,16 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
-def read_meta(root: str) -> dict | None:
-    """The newest checkpoint's metadata (no communication), or None."""
-    iteration = latest_iteration(root)
+def mark_latest(root: str, iteration: int) -> None:
+    """Make the saved `iteration` the one `--load` picks (one process; no communication)."""
+    if not os.path.isdir(_published_dir(root, iteration)):
+        raise ValueError(f"{root}: no checkpoint of iteration {iteration}")
+    _write_atomic_text(os.path.join(root, MARKER), str(iteration))
+
+
+def read_meta(root: str, iteration: int | None = None) -> dict | None:
+    """The metadata of the newest (or the given) checkpoint (no communication), or None."""
+    iteration = latest_iteration(root) if iteration is None else iteration
     if iteration is None:
         return None
     meta = read_json(os.path.join(_published_dir(root, iteration), "meta.json"))
@@ -290,9 +301,11 @@ def load_checkpoint(root: str, model: list[torch.nn.Module], optimizer, schedule
     return iteration, meta["consumed_samples"]
 
 
-def read_full_model(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(meta, full state dict of every stage) of the newest checkpoint; no communication."""
-    meta = read_meta(root)
+def read_full_model(root: str, iteration: int | None = None
+                    ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, full state dict of every stage) of the newest (or the given) checkpoint; no
+    communication."""
+    meta = read_meta(root, iteration)
     if meta is None:
         raise FileNotFoundError(f"{root}: no {MARKER} (expected a megalite checkpoint directory)")
     return meta, read_model_weights(root, meta)

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -327,36 +328,53 @@ def _base_type(tp):
     return tp
 
 
-def add_arguments(parser: argparse.ArgumentParser, config_cls) -> None:
-    """Add one flag per field of `config_cls` in an argument group named after it."""
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def add_arguments(parser: argparse.ArgumentParser, config_cls,
+                  names: Collection[str] | None = None) -> None:
+    """Add one flag per field of `config_cls` (only `names`, if given) in an argument group
+    named after it; no group when no field is offered."""
+    fields = [f for f in dataclasses.fields(config_cls) if names is None or f.name in names]
+    unknown = set(names or ()) - {f.name for f in dataclasses.fields(config_cls)}
+    if unknown:
+        raise ValueError(f"{config_cls.__name__} has no field {sorted(unknown)[0]!r}")
+    if not fields:
+        return
     group = parser.add_argument_group(config_cls.__name__, config_cls.__doc__)
     hints = typing.get_type_hints(config_cls)
-    for f in dataclasses.fields(config_cls):
-        meta, names = f.metadata, ["--" + f.name.replace("_", "-"), *f.metadata["aliases"]]
+    for f in fields:
+        meta, flags = f.metadata, ["--" + f.name.replace("_", "-"), *f.metadata["aliases"]]
         tp = _base_type(hints[f.name])
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if tp is bool:
             action = argparse.BooleanOptionalAction if meta.get("negatable") else "store_true"
-            group.add_argument(*names, dest=f.name, action=action, default=default,
+            group.add_argument(*flags, dest=f.name, action=action, default=_default(f),
                                help=meta["help"])
             continue
-        group.add_argument(*names, dest=f.name, type=tp, default=default, help=meta["help"],
+        group.add_argument(*flags, dest=f.name, type=tp, default=_default(f), help=meta["help"],
                            choices=meta["choices"], nargs=meta.get("nargs"))
 
 
-def build_parser(config_classes: list[type], description: str = "") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description,
+def build_parser(config_classes: list[type], description: str = "",
+                 offer: dict[type, Collection[str]] | None = None) -> argparse.ArgumentParser:
+    """The flags of `config_classes`; `offer` limits a class to the named fields. No
+    abbreviations (as in Megatron-LM): a prefix of a flag is refused, not guessed (finetuning's
+    --epochs must not take pretraining's --ep)."""
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for cls in config_classes:
-        add_arguments(parser, cls)
+        add_arguments(parser, cls, (offer or {}).get(cls))
     return parser
 
 
 def config_from_args(config_cls, args: argparse.Namespace):
-    """Build `config_cls` from parsed args; a ValueError from validation exits with one line."""
-    for f in dataclasses.fields(config_cls):
-        check_minimum(f.name, getattr(args, f.name))
-    return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+    """Build `config_cls` from parsed args (a field without a flag takes the parser-level
+    default, else its own); a ValueError from validation exits with one line."""
+    values = {f.name: getattr(args, f.name, _default(f)) for f in dataclasses.fields(config_cls)}
+    for name, value in values.items():
+        check_minimum(name, value)
+    return config_cls(**values)
 
 
 @dataclass
@@ -375,14 +393,19 @@ class Configs:
 
 
 def parse_configs(argv: list[str] | None = None, description: str = "",
-                  defaults: dict | None = None, optional: tuple[str, ...] = ()) -> Configs:
+                  defaults: dict | None = None, optional: tuple[str, ...] = (),
+                  offer: dict[str, Collection[str]] | None = None) -> Configs:
     """Parse the generated flags into `Configs`; invalid values exit with one clear line.
 
     `optional` names the sections that stay None unless a script asks for them ("finetune").
+    `offer` maps a section ("model", "train", ...) to the only fields a script offers as
+    flags: argparse refuses the others, which keep their defaults (`defaults` included).
+    Sections it does not name offer every field.
     """
     sections = {f.name: _base_type(f.type) for f in dataclasses.fields(Configs)
                 if f.default is dataclasses.MISSING or f.name in optional}
-    parser = build_parser(list(sections.values()), description)
+    parser = build_parser(list(sections.values()), description,
+                          {sections[name]: names for name, names in (offer or {}).items()})
     if defaults:
         parser.set_defaults(**defaults)
     unset = object()

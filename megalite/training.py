@@ -1,9 +1,13 @@
-"""The training loop: set-up, microbatched steps over TP x PP x DP, evaluation, logging, checkpoints.
+"""The one training loop: set-up, microbatched steps over TP x PP x DP, evaluation, logging,
+checkpoints, SIGTERM and fault injection, for every entry script.
 
-`pretrain(configs, model_provider, forward_step_func, datasets_provider)` is what the
-entry scripts call. Configurations are validated before any process group exists, so a
-bad flag ends every rank with one line instead of a hang.
+An entry script describes its work as a `Task` (model, batches, what to validate and log,
+its own resumable state) and calls `train(configs, task)`; `pretrain(configs,
+model_provider, forward_step_func, datasets_provider)` takes Megatron's provider functions
+instead. Configurations are validated before any process group exists, so a bad flag ends
+every rank with one line instead of a hang.
 """
+import functools
 import math
 import os
 import sys
@@ -27,6 +31,7 @@ from megalite.optimizer import get_optimizer, optimizer_settings
 from megalite.resilience import ExitSignalHandler, SkipGuard, inject_faults, parse_faults
 from megalite.schedules import get_forward_backward_func
 from megalite.schedules.accounting import pipeline_summary
+from megalite.task import Run, Task
 from megalite.train_logger import TrainingLogger, log
 
 
@@ -182,107 +187,159 @@ def _fail(error: Exception) -> None:
     sys.exit(2)
 
 
+class PretrainTask(Task):
+    """The provider functions of `pretrain()` as a task."""
+
+    def __init__(self, model_provider: Callable, forward_step_func: Callable,
+                 datasets_provider: Callable, prepare: Callable | None = None,
+                 check_inputs: Callable | None = None) -> None:
+        self._model_provider, self._forward_step = model_provider, forward_step_func
+        self._datasets_provider, self._prepare, self._check = datasets_provider, prepare, \
+            check_inputs
+
+    def check_inputs(self, configs: Configs, world_size: int) -> None:
+        if self._check:
+            self._check(configs)
+
+    def prepare(self, configs: Configs) -> None:
+        if self._prepare:
+            self._prepare(configs)
+
+    def model_provider(self, configs: Configs, pre_process: bool,
+                       post_process: bool) -> torch.nn.Module:
+        return self._model_provider(pre_process=pre_process, post_process=post_process)
+
+    def forward_step(self, data_iterator: Iterator, model: torch.nn.Module):
+        return self._forward_step(data_iterator, model)
+
+    def batches(self, configs: Configs, shape: RunLayout, consumed: int):
+        t = configs.train
+        evals = t.train_iters // t.eval_interval + 1 if t.eval_interval else 0
+        num_samples = (t.train_iters * shape.global_batch_size,
+                       evals * t.eval_iters * shape.global_batch_size, 0)
+        return self._datasets_provider(configs, num_samples, consumed)
+
+
 def pretrain(configs: Configs, model_provider: Callable, forward_step_func: Callable,
              datasets_provider: Callable, prepare: Callable | None = None,
              check_inputs: Callable | None = None) -> TrainResult:
-    """Train `configs.train.train_iters` steps; returns the chunks and the loss of every step.
+    """`train()` with Megatron's provider functions.
 
     check_inputs(configs): runs first, before any process group (e.g. resolve the vocabulary
       size from --tokenizer); raise ValueError/OSError for one clear line on every rank.
     prepare(configs): runs after the process grid exists, before the model is built
       (e.g. build the default corpus once and set the vocabulary size).
+    model_provider(pre_process=..., post_process=...) -> this rank's model chunk.
     datasets_provider(configs, num_samples (train, valid, test), consumed_samples) ->
       (train_iterator, valid_iterator or None) yielding this DP rank's microbatches.
+    """
+    return train(configs, PretrainTask(model_provider, forward_step_func, datasets_provider,
+                                       prepare, check_inputs))
 
-    A step whose loss or grad norm is NaN/Inf on any rank is skipped on every rank; after
-    --max-skipped-steps consecutive skips NonFiniteError stops the run (nothing saved).
-    SIGTERM on any rank (--exit-signal-handler) ends every rank after the same step, with a
-    checkpoint when --save is given.
+
+def train(configs: Configs, task: Task) -> TrainResult:
+    """Train `task` for --train-iters steps; returns the chunks and the loss of every step.
+
+    With --load the run resumes from the newest checkpoint (weights, optimizer, RNG, consumed
+    samples, the task's state). A step whose loss or grad norm is NaN/Inf on any rank is
+    skipped on every rank; after --max-skipped-steps consecutive skips NonFiniteError stops
+    the run (nothing saved). SIGTERM on any rank (--exit-signal-handler) ends every rank
+    after the same step, with a checkpoint when --save is given.
     """
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     try:
-        if check_inputs:
-            check_inputs(configs)
+        task.check_inputs(configs, world)
         shape = RunLayout.from_configs(configs, world)
         check_before_start(configs, shape)
     except (ValueError, OSError) as error:
         _fail(error)
     setup_parallel(configs, shape)
+    ckpt = configs.checkpoint
     try:
-        if prepare:
-            prepare(configs)
-        model = build_model(configs, model_provider)
+        task.prepare(configs)
+        model = build_model(configs, functools.partial(task.model_provider, configs))
         optimizer, scheduler = get_optimizer(configs.optimizer, configs.precision, model,
                                              configs.train.train_iters)
         iteration, consumed = 0, 0
-        if configs.checkpoint.load:
+        if ckpt.load:
             iteration, consumed = checkpointing.load_checkpoint(
-                configs.checkpoint.load, model, optimizer, scheduler, configs.model)
+                ckpt.load, model, optimizer, scheduler, configs.model)
+            if meta := checkpointing.read_meta(ckpt.load):
+                task.load_state_dict(meta.get("task", {}))
     except (ValueError, OSError) as error:  # the same files on every rank: the same line
         _fail(error)
-    if configs.checkpoint.load:
-        log(f"resumed from {configs.checkpoint.load} at iteration {iteration}")
+    if ckpt.load:
+        log(f"resumed from {ckpt.load} at iteration {iteration}")
     if device.device_type() == "cpu" and configs.precision.params_dtype != torch.float32:
         warning = device.reduced_precision_warning(configs.precision.params_dtype)
         if warning:
             log(warning)
-    t = configs.train
-    evals = t.train_iters // t.eval_interval + 1 if t.eval_interval else 0
-    num_samples = (t.train_iters * shape.global_batch_size,
-                   evals * t.eval_iters * shape.global_batch_size, 0)
-    train_iter, valid_iter = datasets_provider(configs, num_samples, consumed)
+    train_batches, valid_batches = task.batches(configs, shape, consumed)
     n_params = sum(p.numel() for c in model for p in c.parameters())
     log(f"model: {configs.model.num_layers} layers, hidden {configs.model.hidden_size}, "
         f"{n_params:,} parameters on rank 0 | {shape.describe()} | global batch "
         f"{shape.global_batch_size} = {shape.num_microbatches} microbatches x "
-        f"{t.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
+        f"{configs.train.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
     log_pipeline(configs, shape)
-    logger = TrainingLogger(configs, shape)
+    logger = TrainingLogger(configs, shape, task.loss_key, task.flops(configs, shape))
+    run = Run(configs, shape, task, model, optimizer, scheduler, logger, valid_batches,
+              iteration, consumed)
     try:
-        losses = _train_loop(configs, shape, model, optimizer, scheduler, forward_step_func,
-                             train_iter, valid_iter, logger, iteration, consumed)
+        task.start(run)
+        _train_loop(run, train_batches)
+        if run.iteration >= configs.train.train_iters:
+            task.finish(run)
     finally:
         logger.close()
-    return TrainResult(model, losses)
+    return TrainResult(model, run.losses)
 
 
-def _train_loop(configs: Configs, shape: RunLayout, model: list, optimizer, scheduler,
-                forward_step_func: Callable, train_iter, valid_iter, logger: TrainingLogger,
-                iteration: int, consumed: int) -> dict[int, float]:
-    """Steps from `iteration` to --train-iters (or an exit); the loss of each step."""
+def _validate(run: Run) -> None:
+    """The mean validation `loss_key` over --eval-iters steps (when the task has validation
+    batches), then the task's own validation."""
+    if run.valid_batches is not None:
+        t, shape, task = run.configs.train, run.shape, run.task
+        total = evaluate(task.forward_step, run.valid_batches, run.model, run.configs,
+                         shape)[task.loss_key]
+        run.logger.validation(run.iteration, total / (
+            t.eval_iters * shape.num_microbatches * shape.data_parallel_size))
+    run.task.validate(run)
+
+
+def _train_loop(run: Run, train_batches: Iterator) -> None:
+    """Steps from run.iteration to --train-iters (or an exit): validate every --eval-interval
+    steps, save every --save-interval applied steps, at an exit and at the end."""
+    configs, shape, task = run.configs, run.shape, run.task
     t, ckpt = configs.train, configs.checkpoint
     save_interval = ckpt.save_interval or default_save_interval(t.train_iters)
-    guard, losses, save_due = SkipGuard(t.max_skipped_steps), {}, False
+    guard, save_due = SkipGuard(t.max_skipped_steps), False
     with ExitSignalHandler(t.exit_signal_handler) as signals:
-        while iteration < t.train_iters:
-            loss, stepped, grad_norm = train_step(inject_faults(forward_step_func, iteration + 1),
-                                                  train_iter, model, optimizer, configs, shape)
-            iteration += 1
-            losses[iteration] = loss
-            consumed += shape.global_batch_size
+        while run.iteration < t.train_iters:
+            loss, stepped, grad_norm = train_step(
+                inject_faults(task.forward_step, run.iteration + 1), train_batches, run.model,
+                run.optimizer, configs, shape, task.loss_key)
+            run.iteration += 1
+            iteration = run.iteration
+            run.losses[iteration] = loss
+            run.consumed += shape.global_batch_size
             if stepped:  # a skipped (overflowing / non-finite) step does not advance the schedule
-                scheduler.step()
-            logger.step(iteration, loss, stepped, grad_norm, scheduler.get_lr(),
-                        optimizer.loss_scale)
-            guard.update(iteration, stepped, optimizer.scaler)
-            if valid_iter is not None and t.eval_interval and (
-                    iteration % t.eval_interval == 0 or iteration == t.train_iters):
-                val = evaluate(forward_step_func, valid_iter, model, configs, shape)["lm loss"]
-                logger.validation(iteration, val / (t.eval_iters * shape.num_microbatches
-                                                    * shape.data_parallel_size))
+                run.scheduler.step()
+            run.logger.step(iteration, loss, stepped, grad_norm, run.scheduler.get_lr(),
+                            run.optimizer.loss_scale)
+            guard.update(iteration, stepped, run.optimizer.scaler)
+            if t.eval_interval and (iteration % t.eval_interval == 0 or
+                                    iteration == t.train_iters):
+                _validate(run)
             signalled = signals.stop_requested(device.current_device())
             exiting = signalled or bool(t.exit_interval) and iteration % t.exit_interval == 0
             # an interval save waits for an applied step; the last one happens regardless
             save_due = save_due or iteration % save_interval == 0
             if ckpt.save and (iteration == t.train_iters or exiting or save_due and stepped):
-                checkpointing.save_checkpoint(ckpt.save, iteration, model, optimizer, scheduler,
-                                              consumed, configs.model)
-                log(f"saved checkpoint to {ckpt.save} at iteration {iteration}")
-                save_due = False
+                run.save()
+            save_due = save_due and run.saved_at != iteration
             if signalled:
                 log(f"exiting at iteration {iteration}: received SIGTERM")
                 break
             if exiting:
                 log(f"exiting at iteration {iteration} (--exit-interval {t.exit_interval})")
                 break
-    return losses

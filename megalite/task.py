@@ -1,0 +1,100 @@
+"""The interface between an entry script and the one training loop (megalite.training.train).
+
+A `Task` says what to build, what to feed it, what to check at validation points and at
+the end, and which small JSON state of its own a checkpoint must carry so that a resumed
+run continues exactly. The loop hands every hook the `Run` in progress.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megalite import checkpointing
+from megalite.config import Configs
+from megalite.layout import RunLayout
+from megalite.train_logger import TrainingLogger, log
+
+
+class Task:
+    """What an entry script gives `train()`: model_provider, forward_step and batches are
+    required; the other hooks default to nothing."""
+
+    loss_key = "lm loss"  # the loss-dict entry averaged per step, logged and validated
+
+    def check_inputs(self, configs: Configs, world_size: int) -> None:
+        """Before any process group: read the inputs, fill derived configs; raise
+        ValueError/OSError for one line on every rank."""
+
+    def prepare(self, configs: Configs) -> None:
+        """After the process grid exists, before the model is built."""
+
+    def model_provider(self, configs: Configs, pre_process: bool,
+                       post_process: bool) -> torch.nn.Module:
+        """The model chunk of the current (virtual) pipeline rank."""
+        raise NotImplementedError
+
+    def forward_step(self, data_iterator: Iterator, model: torch.nn.Module
+                     ) -> tuple[torch.Tensor, Callable]:
+        """One microbatch: (output, loss_func); loss_func(output) -> (loss, {name: value})."""
+        raise NotImplementedError
+
+    def batches(self, configs: Configs, shape: RunLayout, consumed: int
+                ) -> tuple[Iterator, Iterator | None]:
+        """(train, valid) iterators of this DP rank's microbatches, train starting after
+        `consumed` samples; the loop logs the mean `loss_key` over --eval-iters valid steps
+        at every validation point (none: valid is None)."""
+        raise NotImplementedError
+
+    def flops(self, configs: Configs, shape: RunLayout) -> float | None:
+        """Model FLOPs of one iteration for the throughput log (None: a language model's)."""
+        return None
+
+    def start(self, run: Run) -> None:
+        """Before the first step; run.iteration > 0 when resumed (load_state_dict done).
+        Weights set here must be followed by run.optimizer.reload_model_params()."""
+
+    def validate(self, run: Run) -> None:
+        """At every validation point: every --eval-interval steps and after the last."""
+
+    def finish(self, run: Run) -> None:
+        """After the last step (not after an early exit)."""
+
+    def state_dict(self) -> dict:
+        """The task's own progress as small JSON, saved with every checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what state_dict() returned when the loaded checkpoint was saved."""
+
+
+@dataclass
+class Run:
+    """A run in progress, as the loop keeps it and the task's hooks see it."""
+
+    configs: Configs
+    shape: RunLayout
+    task: Task
+    model: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+    logger: TrainingLogger
+    valid_batches: Iterator | None
+    iteration: int = 0
+    consumed: int = 0  # training samples over all DP ranks
+    losses: dict[int, float] = field(default_factory=dict)
+    saved_at: int | None = None
+
+    def save(self) -> None:
+        """Checkpoint this iteration with the task's state to --save (once per iteration;
+        collective over the world)."""
+        root = self.configs.checkpoint.save
+        if self.saved_at == self.iteration:
+            return
+        checkpointing.save_checkpoint(root, self.iteration, self.model, self.optimizer,
+                                      self.scheduler, self.consumed, self.configs.model,
+                                      self.task.state_dict())
+        log(f"saved checkpoint to {root} at iteration {self.iteration}")
+        self.saved_at = self.iteration
