@@ -6,7 +6,9 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.models.embedding import Embedding
 from megalite.models.stage import pipeline_layer_range, share_embedding_with_first_stage
+from megalite.models.sharding import unwrap
 from megalite.models.transformer import ParallelTransformer, dropout, layer_norm
+from megalite.moe import MoEState
 from megalite.mpu import comm, parallel_state
 from megalite.mpu.mappings import scatter_to_sequence_parallel_region
 
@@ -21,6 +23,8 @@ class TransformerStage(nn.Module):
     `embedding_norm`: the embedding is normalised before the dropout (BERT).
     `sequence_parallel` (only with TP > 1): activations between stages are [s/t, b, h], the
     embedding output scattered along s over the TP group.
+    `moe_state`: the chunk's MoEState, shared by its MoE layers (aux-loss backward scale and
+    this step's routing stats; see `moe_states`).
     """
 
     def __init__(self, config: ModelConfig, pre_process: bool, post_process: bool,
@@ -35,6 +39,7 @@ class TransformerStage(nn.Module):
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.share_embeddings_and_output_weights = tie_output
         self.layer_range = layer_range or pipeline_layer_range(config.num_layers)
+        self.moe_state = MoEState()
         kw = dict(group=group, params_dtype=params_dtype, device=device)
         tied_head = post_process and tie_output
         if pre_process or tied_head:
@@ -45,7 +50,8 @@ class TransformerStage(nn.Module):
         if tied_head and not pre_process:
             share_embedding_with_first_stage(self.embedding.word_embeddings.weight)
         self.encoder = ParallelTransformer(config, self.layer_range, init_seed,
-                                           sequence_parallel=self.sequence_parallel, **kw)
+                                           sequence_parallel=self.sequence_parallel,
+                                           moe_state=self.moe_state, **kw)
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
@@ -66,3 +72,9 @@ class TransformerStage(nn.Module):
         if self.embedding_layernorm is not None:
             hidden = self.embedding_layernorm(hidden)
         return dropout(hidden, self.config.hidden_dropout, self.training, self.sequence_parallel)
+
+
+def moe_states(model: nn.Module | list[nn.Module]) -> list[MoEState]:
+    """The MoEStates of this rank's chunks (wrapped or not; chunks without one are skipped)."""
+    chunks = model if isinstance(model, list) else [model]
+    return [unwrap(chunk).moe_state for chunk in chunks if hasattr(unwrap(chunk), "moe_state")]
