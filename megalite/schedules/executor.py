@@ -225,7 +225,8 @@ def forward_backward(*, schedule: str, forward_step_func: Callable,
     training step of the chunks' MoE layers (`moe.training_step`: their stats start empty,
     their aux losses get loss_scale / num_microbatches in backward, as the loss does).
     Returns the per-microbatch loss dicts of the last stage on EVERY pipeline rank
-    (`share_losses`), as float32 scalars when PP > 1. Invalid (p, m, v) raise the tables' ValueError before any communication.
+    (`share_losses`), as float32 scalars when PP > 1. Invalid (p, m, v) raise the tables'
+    ValueError before any communication.
     """
     chunks = model if isinstance(model, list) else [model]
     p = parallel_state.get_pipeline_model_parallel_world_size()
