@@ -3,11 +3,14 @@ import math
 import time
 
 import torch.distributed as dist
+from torch import nn
 
-from megalite import device, moe
+from megalite import device
 from megalite.config import Configs
 from megalite.log_writers import ScalarWriters
 from megalite.metrics import flops_per_iteration, peak_memory_mb
+from megalite.models.transformer_stage import moe_states
+from megalite.moe import reduce_step_stats
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import pad_vocab_size
 
@@ -24,11 +27,12 @@ class TrainingLogger:
     steps, ms/iter, tokens/s, TFLOP/s per device, peak memory. `validation` adds loss and
     perplexity. `loss_key` names the logged loss; `flops` is the model FLOPs of one
     iteration (default: a language model's, whose output layer spans the padded vocabulary).
+    MoE models add the last step's routing stats, read from this rank's `model` chunks.
     """
 
-    def __init__(self, configs: Configs, shape, loss_key: str = "lm loss",
-                 flops: float | None = None) -> None:
-        self.configs, self.shape, self.loss_key = configs, shape, loss_key
+    def __init__(self, configs: Configs, shape, model: list[nn.Module],
+                 loss_key: str = "lm loss", flops: float | None = None) -> None:
+        self.configs, self.shape, self.model, self.loss_key = configs, shape, model, loss_key
         padded = pad_vocab_size(configs.model.vocab_size, configs.model.make_vocab_size_divisible_by,
                                 configs.parallel.tensor_model_parallel_size)
         self.flops = flops if flops is not None else flops_per_iteration(
@@ -85,10 +89,10 @@ class TrainingLogger:
         m = self.configs.model
         if not m.num_experts:
             return {}
-        return moe.step_stats.reduce(m.num_layers, m.num_experts, self.shape.num_microbatches,
-                                     device.current_device(),
-                                     ps.get_pipeline_model_parallel_group(),
-                                     ps.get_data_parallel_group(with_context_parallel=True))
+        return reduce_step_stats(moe_states(self.model), m.num_layers, m.num_experts,
+                                 self.shape.num_microbatches, device.current_device(),
+                                 ps.get_pipeline_model_parallel_group(),
+                                 ps.get_data_parallel_group(with_context_parallel=True))
 
     def validation(self, iteration: int, loss: float) -> None:
         perplexity = math.exp(min(20.0, loss))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite import checkpointing, device, moe
+from megalite import checkpointing, device
 from megalite.config import Configs
 from megalite.data.gpt_dataset import check_data
 from megalite.distributed import DistributedDataParallel
@@ -101,11 +101,8 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    moe.step_stats.reset()
-    moe.set_aux_loss_backward_scale(optimizer.loss_scale / shape.num_microbatches)
     losses = run_schedule(forward_step_func, data_iterator, model, configs, shape,
                           forward_only=False, loss_scale=optimizer.loss_scale)
-    moe.set_aux_loss_backward_scale(1.0)  # plain backward() outside a step: the loss as is
     finalize_model_grads(model)
     loss = _mean_over_data_parallel(losses, loss_key)
     stepped, grad_norm = optimizer.step(loss_is_finite=math.isfinite(loss))
@@ -281,7 +278,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
         f"{shape.global_batch_size} = {shape.num_microbatches} microbatches x "
         f"{configs.train.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
     log_pipeline(configs, shape)
-    logger = TrainingLogger(configs, shape, task.loss_key, task.flops(configs, shape))
+    logger = TrainingLogger(configs, shape, model, task.loss_key, task.flops(configs, shape))
     run = Run(configs, shape, task, model, optimizer, scheduler, logger, valid_batches,
               iteration, consumed)
     try:

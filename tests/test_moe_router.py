@@ -1,14 +1,20 @@
 """Router and auxiliary losses vs the explicit reference (tests/moe_reference.py): top-k
 choice and weights (softmax / sigmoid, with and without renormalisation, ties to the lower
 index), load-balancing loss with an expert that gets no token, z-loss; the single-process
-MoE layer vs a per-token loop; and one-line errors for impossible expert layouts."""
+MoE layer vs a per-token loop; the aux-loss gradient inside an executor step (loss_scale /
+microbatches) and after it (1.0), and the chunk's stats reset each step; and one-line errors
+for impossible expert layouts."""
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch import nn
 
 from megalite.config import ModelConfig, ParallelConfig
-from megalite.moe import MoELayer, load_balancing_loss, topk_routing, z_loss
+from megalite.moe import MoELayer, MoEState, load_balancing_loss, topk_routing, z_loss
 from megalite.moe.router import tokens_per_expert
 from tests import moe_reference as ref
+from tests.multirank import run_on_ranks
 from tests.reference import rel_err
 
 
@@ -77,6 +83,63 @@ def test_single_process_layer_matches_loop_outputs_and_grads(kw):
     assert rel_err(x.grad, x_ref.grad) < 1e-5
     for got, param in zip(grads, layer.parameters()):
         assert rel_err(got, param.grad) < 1e-5
+
+
+class _MoEChunk(nn.Module):
+    """A one-stage model chunk: an MoE layer (aux loss only) sharing the chunk's MoEState."""
+
+    def __init__(self, hidden: int, coeff: float) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(hidden_size=hidden)
+        self.moe_state = MoEState()
+        self.moe = MoELayer(hidden, 4, 24, 2, aux_loss_coeff=coeff, moe_state=self.moe_state)
+
+    def set_input_tensor(self, tensor) -> None:
+        assert tensor is None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
+
+
+def _aux_grads_in_and_after_a_step(loss_scale: float, coeff: float) -> dict:
+    """Two executor steps of 3 microbatches whose main loss is 0 x output (the router grad is
+    the aux losses' alone), then a plain backward; router grads vs the reference aux loss."""
+    from megalite.mpu import initialize_model_parallel
+    from megalite.schedules.executor import forward_backward
+    initialize_model_parallel(1, 1)
+    torch.manual_seed(0)
+    chunk = _MoEChunk(16, coeff)
+    xs = [torch.randn(5, 2, 16, generator=torch.Generator().manual_seed(m)) for m in range(3)]
+
+    def reference_aux_grad(x: torch.Tensor) -> torch.Tensor:
+        weight = chunk.moe.router.weight.detach().clone().requires_grad_()
+        choices, scores = ref.route(x.reshape(-1, 16) @ weight.t(), 2, "softmax", False)
+        ref.aux_loss(scores, choices, 2).backward()
+        return weight.grad
+
+    def step_func(iterator, model):
+        return model(next(iterator)), lambda out: ((out * 0).sum(), {"lm loss": torch.zeros(())})
+    out = {"in step": [], "tokens": []}
+    for _ in range(2):
+        chunk.zero_grad()
+        forward_backward(schedule="1f1b", forward_step_func=step_func, data_iterator=iter(xs),
+                         model=chunk, num_microbatches=3, seq_length=5, micro_batch_size=2,
+                         loss_scale=loss_scale)
+        want = loss_scale / 3 * coeff * sum(reference_aux_grad(x) for x in xs)
+        out["in step"].append(rel_err(chunk.moe.router.weight.grad, want))
+        out["tokens"].append(chunk.moe_state.rows[0][3:].sum().item())
+    out["scale after"] = chunk.moe_state.backward_scale
+    chunk.zero_grad()
+    (chunk(xs[0]) * 0).sum().backward()
+    out["plain"] = rel_err(chunk.moe.router.weight.grad, coeff * reference_aux_grad(xs[0]))
+    return out
+
+
+def test_executor_step_scales_aux_loss_grads_and_resets_the_chunks_stats():
+    (result,) = run_on_ranks(1, _aux_grads_in_and_after_a_step, 4.0, 0.1)
+    assert max(result["in step"]) < 1e-5 and result["plain"] < 1e-5, result
+    assert result["tokens"] == [3 * 10 * 2] * 2  # 3 microbatches x 10 tokens x top-2, per step
+    assert result["scale after"] == 1.0
 
 
 def test_bad_expert_layouts_fail_with_one_line():

@@ -1,5 +1,6 @@
-"""Zero-bubble schedules: ZB-H1 and ZBV tables as pure data, the split backward of the linear
-layers, DP buckets firing on the last W, and a training run whose loss curve equals 1F1B's.
+"""Zero-bubble schedules: ZB-H1 and ZBV tables as pure data, the split backward of the
+column- and row-parallel linear layers, DP buckets firing on the last W, and a training run
+whose loss curve equals 1F1B's.
 
 Tables are checked against the test's own stage placement (loop: chunk c of rank r is stage
 c*p + r; V: stages r and 2p-1-r) and against closed forms: ZB-H1 idles (p-1)(F+B-W) per rank
@@ -13,6 +14,8 @@ from functools import cache
 import pytest
 import torch
 
+from megalite.mpu import ColumnParallelLinear, RowParallelLinear
+from megalite.mpu.weight_grad import apply_weight_grads, defer_weight_grads
 from megalite.schedules.accounting import (bubble_fraction, peak_inflight_activations,
                                            p2p_message_count, simulate)
 from megalite.schedules.tables import Kind, build_schedule
@@ -119,37 +122,52 @@ def test_invalid_arguments_raise_one_clear_line(build, arg):
     assert str(err.value).startswith(f"{arg}: expected ") and "\n" not in str(err.value)
 
 
-def test_linear_defers_weight_grad_until_applied():
-    from megalite.mpu.weight_grad import Linear, apply_weight_grads, defer_weight_grads
+def test_parallel_linears_defer_weight_grads_until_applied():
+    """Column- then row-parallel linear (TP 1, as in an MLP) vs nn.Linear: inside
+    defer_weight_grads the input and bias grads are final and the weight grads queued."""
     torch.manual_seed(0)
-    layer, x = Linear(6, 5), torch.randn(4, 3, 6, requires_grad=True)
-    grad_y = torch.randn(4, 3, 5)
-    reference = torch.nn.Linear(6, 5)
-    reference.load_state_dict(layer.state_dict())
+    column, row = ColumnParallelLinear(6, 5), RowParallelLinear(5, 4)
+    x, grad_y = torch.randn(4, 3, 6, requires_grad=True), torch.randn(4, 3, 4)
+    references = [torch.nn.Linear(6, 5), torch.nn.Linear(5, 4)]
+    for reference, layer in zip(references, (column, row)):
+        reference.load_state_dict(layer.state_dict())
     x_ref = x.detach().clone().requires_grad_()
-    torch.autograd.backward(reference(x_ref), grad_y)
+    torch.autograd.backward(references[1](references[0](x_ref)), grad_y)
     with defer_weight_grads() as work:
-        torch.autograd.backward(layer(x), grad_y)
-    assert layer.weight.grad is None and len(work) == 1
-    assert rel_err(x.grad, x_ref.grad) < 1e-6 and rel_err(layer.bias.grad, reference.bias.grad) < 1e-6
+        torch.autograd.backward(row(column(x)[0])[0], grad_y)
+    assert column.weight.grad is None and row.weight.grad is None and len(work) == 2
+    assert rel_err(x.grad, x_ref.grad) < 1e-6
+    for reference, layer in zip(references, (column, row)):
+        assert rel_err(layer.bias.grad, reference.bias.grad) < 1e-6
     apply_weight_grads(work)
-    assert rel_err(layer.weight.grad, reference.weight.grad) < 1e-6
+    for reference, layer in zip(references, (column, row)):
+        assert rel_err(layer.weight.grad, reference.weight.grad) < 1e-6
+
+
+class _NormedColumn(torch.nn.Module):
+    """A column-parallel linear (deferrable weight grad) and a LayerNorm (fused backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = ColumnParallelLinear(4, 4), torch.nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x)[0])
 
 
 def _bucket_fires_on_last_w() -> dict:
     from megalite.distributed import DistributedDataParallel
     from megalite.mpu import initialize_model_parallel
-    from megalite.mpu.weight_grad import Linear, apply_weight_grads, defer_weight_grads
     initialize_model_parallel(1, 1)
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Sequential(Linear(4, 4), torch.nn.LayerNorm(4)))
+    model = DistributedDataParallel(_NormedColumn())
     loss = model(torch.randn(3, 4)).square().sum()
     with defer_weight_grads() as work:
         loss.backward()
     launched_after_b = [b.launched for b in model.buckets()]
     apply_weight_grads(work)
     return {"after B": launched_after_b, "after W": [b.launched for b in model.buckets()],
-            "weight grad": model.module[0].weight.main_grad.abs().sum().item()}
+            "weight grad": model.module.linear.weight.main_grad.abs().sum().item()}
 
 
 def test_dp_bucket_fires_when_the_last_w_lands():

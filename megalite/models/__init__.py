@@ -3,6 +3,7 @@ from megalite.models.bert import BertModel
 from megalite.models.gpt import GPTModel
 from megalite.models.spec import TransformerSpec
 from megalite.models.transformer import ParallelTransformer, ParallelTransformerLayer
+from megalite.models.transformer_stage import TransformerStage
 
 __all__ = ["BertModel", "GPTModel", "TransformerSpec", "ParallelTransformer",
-           "ParallelTransformerLayer"]
+           "ParallelTransformerLayer", "TransformerStage"]

@@ -10,15 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.models.gpt import Embedding
-from megalite.models.stage import pipeline_layer_range, share_embedding_with_first_stage
+from megalite.models.transformer import dropout, init_scope, layer_norm
+from megalite.models.transformer_stage import TransformerStage
 from megalite.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megalite.mpu.layers import (VocabParallelEmbedding, init_method_normal,
                                  set_tensor_model_parallel_attributes)
-from megalite.models.transformer import ParallelTransformer, dropout, init_scope, layer_norm
-from megalite.mpu import comm, parallel_state
-from megalite.mpu.mappings import (gather_from_sequence_parallel_region,
-                                   scatter_to_sequence_parallel_region)
+from megalite.mpu.mappings import gather_from_sequence_parallel_region
 
 HEADS = ("classification", "mlm")
 
@@ -75,11 +72,11 @@ class MaskedLMHead(nn.Module):
         return word_embeddings.lm_logits(hidden, self.sequence_parallel) + self.bias
 
 
-class BertModel(nn.Module):
-    """The BERT layers of one pipeline stage.
+class BertModel(TransformerStage):
+    """The BERT layers of one pipeline stage; see TransformerStage.
 
-    pre_process: this stage embeds (word + position + token type, LayerNorm, dropout);
-    otherwise it starts from `set_input_tensor`. post_process: this stage ends with the head.
+    pre_process: this stage embeds (word + position + token type, LayerNorm, dropout).
+    post_process: this stage ends with the head (the MLM head ties the word embedding).
     forward(input_ids [b, s], attention_mask [b, s] 1 = token / 0 = padding | None,
             tokentype_ids [b, s] | None, labels | None) ->
       last stage, classification: loss [b] for labels [b], else logits [b, num_labels];
@@ -95,58 +92,31 @@ class BertModel(nn.Module):
                  layer_range: tuple[int, int] | None = None, init_seed: int = 1234, group=None,
                  params_dtype: torch.dtype = torch.float32, device=None,
                  sequence_parallel: bool = False) -> None:
-        super().__init__()
-        tp_group = parallel_state.get_tensor_model_parallel_group() if group is None else group
-        self.sequence_parallel = sp = sequence_parallel and comm.world_size(tp_group) > 1
         if head not in HEADS:
             raise ValueError(f"BERT head {head!r} is not one of {HEADS}")
         if head == "classification" and num_labels < 2:
             raise ValueError(f"num_labels ({num_labels}) must be >= 2 for classification")
-        self.config, self.head, self.num_labels = config, head, num_labels
-        self.pre_process, self.post_process = pre_process, post_process
-        self.layer_range = layer_range or pipeline_layer_range(config.num_layers)
-        self.share_embeddings_and_output_weights = head == "mlm"
-        kw = dict(group=group, params_dtype=params_dtype, device=device)
-        lm_stage = post_process and head == "mlm"
-        if pre_process or lm_stage:
-            self.embedding = Embedding(config, init_seed, word_only=not pre_process, **kw)
-        if pre_process:
-            self.embedding_layernorm = layer_norm(config, params_dtype, device, sp)
-        elif lm_stage:
-            share_embedding_with_first_stage(self.embedding.word_embeddings.weight)
-        self.encoder = ParallelTransformer(config, self.layer_range, init_seed,
-                                           sequence_parallel=sp, **kw)
+        super().__init__(config, pre_process, post_process, tie_output=head == "mlm",
+                         embedding_norm=True, layer_range=layer_range, init_seed=init_seed,
+                         group=group, params_dtype=params_dtype, device=device,
+                         sequence_parallel=sequence_parallel)
+        self.head, self.num_labels = head, num_labels
         if post_process and head == "classification":
             with init_scope(init_seed, "pooler"):
                 self.pooler = Pooler(config, params_dtype, device)
             with init_scope(init_seed, "classifier"):
                 self.classifier = replicated_linear(config, config.hidden_size, num_labels,
                                                     params_dtype, device)
-        if lm_stage:
+        if post_process and head == "mlm":
             with init_scope(init_seed, "lm_head"):
                 self.lm_head = MaskedLMHead(config, self.embedding.word_embeddings,
-                                            params_dtype, device, sp)
-        self.input_tensor: torch.Tensor | None = None
-
-    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
-        """Hidden states [s, b, h] received from the previous stage."""
-        self.input_tensor = tensor
-
-    def _dropout(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
-        return dropout(x, self.config.hidden_dropout, self.training, sequence_parallel)
+                                            params_dtype, device, self.sequence_parallel)
 
     def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                 tokentype_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
                 ) -> torch.Tensor:
         mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
-        if self.pre_process:
-            hidden = self.embedding(input_ids, tokentype_ids=tokentype_ids)
-            if self.sequence_parallel:
-                hidden = scatter_to_sequence_parallel_region(hidden)
-            hidden = self._dropout(self.embedding_layernorm(hidden), self.sequence_parallel)
-        else:
-            hidden = self.input_tensor
-        hidden = self.encoder(hidden, mask)
+        hidden = self.encoder(self.stage_input(input_ids, tokentype_ids=tokentype_ids), mask)
         if not self.post_process:
             return hidden
         if self.head == "mlm":
@@ -158,7 +128,8 @@ class BertModel(nn.Module):
         if self.sequence_parallel:  # the pooler reads position 0; its grads are whole per rank
             hidden = gather_from_sequence_parallel_region(hidden,
                                                           tensor_parallel_output_grad=False)
-        logits = self.classifier(self._dropout(self.pooler(hidden)))
+        pooled = dropout(self.pooler(hidden), self.config.hidden_dropout, self.training, False)
+        logits = self.classifier(pooled)
         if labels is None:
             return logits
         return F.cross_entropy(logits.float(), labels, reduction="none")

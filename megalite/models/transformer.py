@@ -17,7 +17,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.models.spec import TransformerSpec
-from megalite.moe import MoELayer
+from megalite.moe import MoELayer, MoEState
 from megalite.mpu.attention import ParallelAttention
 from megalite.mpu.layers import (init_method_normal, scaled_init_method_normal,
                                  set_tensor_model_parallel_attributes)
@@ -57,12 +57,14 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) 
 
 
 class ParallelTransformerLayer(nn.Module):
-    """One layer, pre-norm (GPT-2, Llama) or post-norm (BERT).
+    """One layer, pre-norm (GPT-2, Llama) or post-norm (BERT); an MoE layer's MLP records into
+    and takes its aux-loss backward scale from `moe_state`.
     forward(x [s, b, h], mask, rotary (cos, sin) | None, inference_params) -> [s, b, h];
     `inference_params` (a `megalite.inference.KVCache`) holds this layer's keys and values."""
 
     def __init__(self, config: ModelConfig, layer_number: int, group=None,
-                 params_dtype=torch.float32, device=None, sequence_parallel: bool = False) -> None:
+                 params_dtype=torch.float32, device=None, sequence_parallel: bool = False,
+                 moe_state: MoEState | None = None) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
         spec = TransformerSpec.from_config(config)
@@ -80,7 +82,7 @@ class ParallelTransformerLayer(nn.Module):
         if spec.is_moe_layer(layer_number):  # validate_configs refuses MoE with SP
             kw.pop("sequence_parallel")
             self.mlp = MoELayer(**spec.moe_kwargs(), layer_number=layer_number,
-                                init_std=config.init_method_std, **kw)
+                                init_std=config.init_method_std, moe_state=moe_state, **kw)
         else:
             self.mlp = ParallelMLP(**spec.mlp_kwargs(), **kw)
 
@@ -101,7 +103,8 @@ class ParallelTransformerLayer(nn.Module):
 
 
 class ParallelTransformer(nn.Module):
-    """The layers [first, last) of the whole model, keyed by their global index.
+    """The layers [first, last) of the whole model, keyed by their global index; their MoE
+    layers share `moe_state` (the model chunk's).
 
     Full recompute checkpoints groups of `recompute_num_layers` layers (uniform) or the
     first `recompute_num_layers` layers (block).
@@ -110,7 +113,7 @@ class ParallelTransformer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int], init_seed: int,
                  group=None, params_dtype=torch.float32, device=None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, moe_state: MoEState | None = None) -> None:
         super().__init__()
         self.config = config
         layers = {}
@@ -118,7 +121,7 @@ class ParallelTransformer(nn.Module):
             with init_scope(init_seed, f"layer.{number}"):
                 layers[str(number)] = ParallelTransformerLayer(
                     config, number, group=group, params_dtype=params_dtype, device=device,
-                    sequence_parallel=sequence_parallel)
+                    sequence_parallel=sequence_parallel, moe_state=moe_state)
         self.layers = nn.ModuleDict(layers)
 
     def _groups(self) -> Iterator[tuple[list[nn.Module], bool]]:

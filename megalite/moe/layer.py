@@ -11,7 +11,7 @@ from torch import nn
 
 from megalite.moe.dispatcher import combine, dispatch, expert_capacity, plan_dispatch
 from megalite.moe.router import TopKRouter, load_balancing_loss, z_loss
-from megalite.moe.stats import attach_aux_loss, step_stats
+from megalite.moe.stats import MoEState, attach_aux_loss
 from megalite.mpu import comm, parallel_state
 from megalite.mpu.layers import InitMethod, init_method_normal, \
     set_tensor_model_parallel_attributes
@@ -28,8 +28,9 @@ class MoELayer(nn.Module):
     Every token goes to its top-k experts (dropless, or at most `capacity_factor` x its
     fair share of this rank's choices per expert); the output is the router-weighted sum of
     their outputs, plus the shared expert's (times sigmoid(gate(x)) when gated). In training
-    the aux (load-balancing) and z losses, times their coefficients, get their gradient
-    through `attach_aux_loss`; their values are recorded per layer in `step_stats`.
+    the aux (load-balancing) and z losses, times their coefficients, get the gradient
+    `moe_state.backward_scale` through `attach_aux_loss`; their values are recorded per layer
+    in `moe_state` (the model chunk's MoEState; the layer's own when not given).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, ffn_hidden_size: int, topk: int,
@@ -40,8 +41,9 @@ class MoELayer(nn.Module):
                  layer_number: int = 0, init_method: InitMethod | None = None,
                  output_init_method: InitMethod | None = None, init_std: float = 0.02,
                  group=None, expert_group=None, params_dtype: torch.dtype = torch.float32,
-                 device=None) -> None:
+                 device=None, moe_state: MoEState | None = None) -> None:
         super().__init__()
+        self.moe_state = MoEState() if moe_state is None else moe_state
         self.expert_group = (parallel_state.get_expert_model_parallel_group()
                              if expert_group is None else expert_group)
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if group is None \
@@ -104,7 +106,9 @@ class MoELayer(nn.Module):
             out = out + shared
         if torch.is_grad_enabled():  # training: router losses (not computed in inference)
             aux, z = load_balancing_loss(scores, indices, self.topk), z_loss(logits)
-            step_stats.record(self.layer_number, aux, z, plan.dropped, plan.tokens_per_expert)
+            self.moe_state.record(self.layer_number, aux, z, plan.dropped,
+                                  plan.tokens_per_expert)
             if self.aux_loss_coeff or self.z_loss_coeff:
-                out = attach_aux_loss(out, self.aux_loss_coeff * aux + self.z_loss_coeff * z)
+                out = attach_aux_loss(out, self.aux_loss_coeff * aux + self.z_loss_coeff * z,
+                                      self.moe_state)
         return out.view_as(x)

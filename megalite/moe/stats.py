@@ -1,51 +1,35 @@
-"""MoE auxiliary-loss gradients and per-step routing statistics.
+"""The MoE state of one model chunk: the aux-loss backward scale and the step's routing stats.
 
 The auxiliary losses of a layer are not added to the final loss (they may live on another
 pipeline stage): `attach_aux_loss` ties them to the layer's output so that backward gives
-them the gradient `backward_scale` (Megatron's MoEAuxLossAutoScaler); the training step sets
-it to loss_scale / microbatches, the factor the executor applies to the main loss.
+them the gradient `MoEState.backward_scale` (Megatron's MoEAuxLossAutoScaler). For the
+training step it runs, the executor sets it to loss_scale / microbatches, the factor it
+applies to the main loss (`training_step`); outside a step it is 1.0 (a plain backward).
 
-`StepStats` collects, per global layer, the detached aux loss, z-loss, dropped choices and
-tokens per expert of every microbatch; `reduce` sums them over the pipeline and data-parallel
-groups for the log line.
+`MoEState.rows` collects, per global layer, the detached aux loss, z-loss, dropped choices
+and tokens per expert of every microbatch of the step; `reduce_step_stats` sums those of a
+rank's chunks over the pipeline and data-parallel groups for the log line.
 """
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from megalite.mpu import comm
 
-_SCALE = {"backward": 1.0}
-
-
-def set_aux_loss_backward_scale(scale: float) -> None:
-    """Gradient given to every attached aux loss in backward (loss_scale / microbatches)."""
-    _SCALE["backward"] = scale
-
-
-class _AttachAuxLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, output, aux_loss):
-        ctx.save_for_backward(aux_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad):
-        (aux_loss,) = ctx.saved_tensors
-        return grad, torch.full_like(aux_loss, _SCALE["backward"])
-
-
-def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-    """`output` unchanged; in backward `aux_loss` (a scalar) receives `backward_scale`."""
-    return _AttachAuxLoss.apply(output, aux_loss)
-
-
 STAT_NAMES = ("load balancing loss", "z loss", "dropped tokens")
 
 
-class StepStats:
-    """Per-layer sums over this step's microbatches: [layers, 3 + E] (STAT_NAMES, then the
-    tokens each expert received)."""
+class MoEState:
+    """Owned by a model chunk and handed to its MoE layers at construction.
+
+    backward_scale: the gradient every attached aux loss gets in backward.
+    rows: per global layer, sums over this step's microbatches [3 + E] (STAT_NAMES, then the
+    tokens each expert received).
+    """
 
     def __init__(self) -> None:
+        self.backward_scale = 1.0
         self.rows: dict[int, torch.Tensor] = {}
 
     def record(self, layer: int, aux: torch.Tensor, z: torch.Tensor, dropped: int,
@@ -55,26 +39,57 @@ class StepStats:
                          tokens_per_expert.float()])
         self.rows[layer] = self.rows.get(layer, 0) + row
 
-    def reset(self) -> None:
-        self.rows.clear()
 
-    def reduce(self, num_layers: int, num_experts: int, microbatches: int, device,
-               pipeline_group, data_parallel_group) -> dict[str, float]:
-        """Sum over layers (pipeline group) and DP ranks (data-parallel group): aux and z
-        losses as the per-microbatch mean summed over layers (DP mean), dropped choices and
-        tokens per expert as totals; imbalance = max / mean tokens per expert, worst layer."""
-        table = torch.zeros(num_layers, 3 + num_experts, device=device)
-        for layer, row in self.rows.items():
+@contextlib.contextmanager
+def training_step(states: list[MoEState], backward_scale: float) -> Iterator[None]:
+    """One training step: the stats start empty and the aux losses get `backward_scale` in
+    backward (loss_scale / microbatches); 1.0 again after the step."""
+    for state in states:
+        state.rows.clear()
+        state.backward_scale = backward_scale
+    try:
+        yield
+    finally:
+        for state in states:
+            state.backward_scale = 1.0
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, output, aux_loss, state):
+        ctx.save_for_backward(aux_loss)
+        ctx.state = state
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.state.backward_scale), None
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor, state: MoEState
+                    ) -> torch.Tensor:
+    """`output` unchanged; in backward `aux_loss` (a scalar) receives `state.backward_scale`."""
+    return _AttachAuxLoss.apply(output, aux_loss, state)
+
+
+def reduce_step_stats(states: list[MoEState], num_layers: int, num_experts: int,
+                      microbatches: int, device, pipeline_group, data_parallel_group
+                      ) -> dict[str, float]:
+    """This step's stats of a rank's chunks summed over layers (pipeline group) and DP ranks
+    (data-parallel group): aux and z losses as the per-microbatch mean summed over layers (DP
+    mean), dropped choices and tokens per expert as totals; imbalance = max / mean tokens
+    per expert, worst layer."""
+    table = torch.zeros(num_layers, 3 + num_experts, device=device)
+    for state in states:
+        for layer, row in state.rows.items():
             table[layer] += row.to(device)
-        comm.all_reduce(table, pipeline_group)
-        comm.all_reduce(table, data_parallel_group)
-        dp = comm.world_size(data_parallel_group)
-        moe_rows = table[table[:, 3:].sum(1) > 0]
-        tokens = moe_rows[:, 3:]
-        imbalance = (tokens.max(1).values / tokens.mean(1)).max().item() if len(tokens) else 0.0
-        return {STAT_NAMES[0]: table[:, 0].sum().item() / (microbatches * dp),
-                STAT_NAMES[1]: table[:, 1].sum().item() / (microbatches * dp),
-                STAT_NAMES[2]: table[:, 2].sum().item(), "expert imbalance": imbalance}
-
-
-step_stats = StepStats()
+    comm.all_reduce(table, pipeline_group)
+    comm.all_reduce(table, data_parallel_group)
+    dp = comm.world_size(data_parallel_group)
+    moe_rows = table[table[:, 3:].sum(1) > 0]
+    tokens = moe_rows[:, 3:]
+    imbalance = (tokens.max(1).values / tokens.mean(1)).max().item() if len(tokens) else 0.0
+    return {STAT_NAMES[0]: table[:, 0].sum().item() / (microbatches * dp),
+            STAT_NAMES[1]: table[:, 1].sum().item() / (microbatches * dp),
+            STAT_NAMES[2]: table[:, 2].sum().item(), "expert imbalance": imbalance}

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 WeightGradWork = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (weight, x, grad of y)
 _queue: list[WeightGradWork] | None = None  # global, not thread-local: autograd may run
@@ -69,11 +68,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ) -> torch.Tensor:
     """y [..., out] = x [..., in] @ weight [out, in]^T + bias, with a deferrable weight grad."""
     return _Linear.apply(x, weight, bias)
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose weight grad is deferred inside `defer_weight_grads()` (for layers kept
-    whole on every TP rank, e.g. a pooler or a classification head)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from megalite.models.sharding import unwrap
+from megalite.models.transformer_stage import moe_states
+from megalite.moe import training_step
 from megalite.mpu import comm, parallel_state
 from megalite.mpu.weight_grad import apply_weight_grads, defer_weight_grads
 from megalite.schedules.p2p import Channel
@@ -219,9 +221,12 @@ def forward_backward(*, schedule: str, forward_step_func: Callable,
     iterator (tee'd across chunks) or a list of one per chunk. Inter-stage tensors are
     [seq_length, micro_batch_size, hidden_size] in the model's parameter dtype (seq_length
     divided by CP, and by TP when the model is sequence parallel).
-    forward_only runs the forwards under no_grad (evaluation). Returns the per-microbatch
-    loss dicts of the last stage on EVERY pipeline rank (`share_losses`), as float32 scalars
-    when PP > 1. Invalid (p, m, v) raise the tables' ValueError before any communication.
+    forward_only runs the forwards under no_grad (evaluation); otherwise the call is one
+    training step of the chunks' MoE layers (`moe.training_step`: their stats start empty,
+    their aux losses get loss_scale / num_microbatches in backward, as the loss does).
+    Returns the per-microbatch loss dicts of the last stage on EVERY pipeline rank
+    (`share_losses`), as float32 scalars when PP > 1. Invalid (p, m, v) raise the tables'
+    ValueError before any communication.
     """
     chunks = model if isinstance(model, list) else [model]
     p = parallel_state.get_pipeline_model_parallel_world_size()
@@ -236,7 +241,8 @@ def forward_backward(*, schedule: str, forward_step_func: Callable,
     run = _Run(forward_step_func, _chunk_iterators(data_iterator, v), chunks, num_microbatches,
                Channel(shape, param.dtype, param.device), forward_only, loss_scale,
                placement(schedule, p, v))
-    with torch.no_grad() if forward_only else contextlib.nullcontext():
+    with torch.no_grad() if forward_only else \
+            training_step(moe_states(chunks), loss_scale / num_microbatches):
         for is_compute, group in itertools.groupby(table, lambda ins: ins.kind in COMPUTE):
             if not is_compute:
                 run.communicate(list(group))
