@@ -12,6 +12,7 @@ and the entry scripts read it; layer constructors keep only cheap asserts.
 from dataclasses import dataclass
 
 from megalite.config import Configs, ModelConfig, ParallelConfig
+from megalite.mpu.attention import check_attention_split
 from megalite.mpu.parallel_state import GridLayout
 from megalite.optimizer.scheduler import check_decay_iters
 from megalite.placement import GPIPE, INTERLEAVED, ZB_H1, ZBV
@@ -104,22 +105,9 @@ def check_sequence_split(seq_length: int, tensor_model_parallel_size: int,
                          f"--tensor-model-parallel-size ({tp})")
 
 
-def check_attention_split(num_attention_heads: int, num_query_groups: int, tp: int) -> None:
-    """One clear ValueError when heads / KV groups cannot be split over TP."""
-    if num_attention_heads % tp:
-        raise ValueError(f"--num-attention-heads ({num_attention_heads}) must be divisible by "
-                         f"the tensor-parallel size ({tp})")
-    if num_query_groups % tp and tp % num_query_groups:
-        raise ValueError(f"--num-query-groups ({num_query_groups}) must be a multiple or a "
-                         f"divisor of the tensor-parallel size ({tp})")
-
-
 def _check_model_split(m: ModelConfig, p: ParallelConfig, grid: GridLayout) -> None:
     """The model's layers, heads, FFN and experts over the grid."""
-    chunks = grid.pp * (grid.vpp or 1)
-    if m.num_layers % chunks:
-        raise ValueError(f"--num-layers ({m.num_layers}) must be divisible by --pp x --vpp "
-                         f"({chunks})")
+    grid.placement.layers_per_stage(m.num_layers)
     check_attention_split(m.num_attention_heads, m.query_groups, grid.tp)
     if m.ffn_hidden_size % grid.tp:
         raise ValueError(f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by --tp "

@@ -36,6 +36,13 @@ class Placement:
             return rank if chunk == 0 else 2 * self.p - 1 - rank
         return chunk * self.p + rank
 
+    def layers_per_stage(self, num_layers: int) -> int:
+        """Layers of each stage; ValueError (one line) unless they split evenly."""
+        if num_layers % self.num_stages:
+            raise ValueError(f"--num-layers ({num_layers}) must be divisible by --pp x --vpp = "
+                             f"{self.num_stages}")
+        return num_layers // self.num_stages
+
     def locate(self, stage: int) -> tuple[int, int]:
         """(rank, local chunk) holding `stage`."""
         if self.v_shape:

@@ -125,9 +125,16 @@ def pipelined(refs: dict, tp: int, pp: int, vpp: int | None, m: int,
 
 
 def clear_errors() -> dict[str, tuple[str, dict]]:
-    """The executor's one-line ValueError, and the bytes moved before it was raised."""
+    """The one-line ValueErrors, and the bytes moved before each was raised."""
     out = {}
     initialize_model_parallel(1, 4, 2)
+    bad = dataclasses.replace(CONFIG, num_layers=12)
+    with comm.count_bytes() as moved:
+        try:
+            build_model_chunks(lambda pre_process, post_process: GPTModel(bad, pre_process,
+                                                                          post_process))
+        except ValueError as e:
+            out["layers"] = (str(e), dict(moved))
     chunks = build_model_chunks(functools.partial(provider, CONFIG))
     with comm.count_bytes() as moved:
         try:
@@ -197,7 +204,10 @@ def test_all_but_each_chunks_last_backward_run_in_no_sync(results):
 
 def test_clear_errors_before_any_communication(results):
     for per_rank in results:
-        errors = per_rank["errors"]  # layers vs PP x VPP: tests/test_run_layout.py
+        errors = per_rank["errors"]
+        layers, moved = errors["layers"]
+        assert "--num-layers (12)" in layers and "= 8" in layers and "\n" not in layers
+        assert not any(moved.values()), moved
         microbatches, moved = errors["microbatches"]
         assert "multiple of p=4" in microbatches and "\n" not in microbatches
         assert not any(moved.values()), moved

@@ -35,8 +35,8 @@ CASES = [  # (world size, flags, the line's expected start)
      "--sequence-parallel: --seq-length (66) / --context-parallel-size (1) must be divisible"),
     (2, ["--cp", "2", "--attention-dropout", "0.1"], "--context-parallel-size 2 needs "
                                                      "--attention-dropout 0 (got 0.1)"),
-    (2, ["--pp", "2", "--num-layers", "3"], "--num-layers (3) must be divisible by --pp x --vpp "
-                                           "(2)"),
+    (2, ["--pp", "2", "--num-layers", "3"], "--num-layers (3) must be divisible by --pp x "
+                                           "--vpp = 2"),
     (3, ["--tp", "3"], "--num-attention-heads (4) must be divisible by the tensor-parallel "
                        "size (3)"),
     (4, ["--tp", "4", "--num-attention-heads", "8", "--group-query-attention",

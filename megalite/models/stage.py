@@ -24,9 +24,9 @@ def pipeline_layer_range(num_layers: int, pp_size: int | None = None, pp_rank: i
         else vpp_size
     c = parallel_state.get_virtual_pipeline_model_parallel_rank() if vpp_rank is None else vpp_rank
     v, c = v or 1, c or 0
-    assert num_layers % (p * v) == 0, "the run layout checks --num-layers against PP x VPP"
-    per_stage = num_layers // (p * v)
-    stage = Placement(p, v, parallel_state.is_pipeline_v_shape()).stage(r, c)
+    place = Placement(p, v, parallel_state.is_pipeline_v_shape())
+    per_stage = place.layers_per_stage(num_layers)
+    stage = place.stage(r, c)
     return stage * per_stage, (stage + 1) * per_stage
 
 

@@ -25,6 +25,17 @@ from megalite.mpu.random import checkpoint, get_rng_tracker
 from megalite.mpu.rotary import apply_rotary
 
 
+def check_attention_split(num_attention_heads: int, num_query_groups: int, tp: int) -> None:
+    """One clear ValueError when heads / KV groups cannot be split over TP (the run layout
+    checks it before any process group; the layer again, as cheaply)."""
+    if num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads ({num_attention_heads}) must be divisible by "
+                         f"the tensor-parallel size ({tp})")
+    if num_query_groups % tp and tp % num_query_groups:
+        raise ValueError(f"--num-query-groups ({num_query_groups}) must be a multiple or a "
+                         f"divisor of the tensor-parallel size ({tp})")
+
+
 class ParallelAttention(nn.Module):
     """forward(x [s, b, h], attention_mask [b, 1, 1|s, s + cached] bool (True = attend) | None,
     rotary (cos, sin) [b, 1, s, d] | None, recompute_core, kv_cache) -> [s, b, h].
@@ -50,11 +61,11 @@ class ParallelAttention(nn.Module):
             if context_parallel_group is None else context_parallel_group
         tp = comm.world_size(group)
         groups = num_query_groups or num_attention_heads
-        # megalite.layout checks these for a run, with one line naming the flag
+        # megalite.layout checks this for a run, with one line naming the flag
         assert comm.world_size(self.cp_group) == 1 or not attention_dropout, \
             "context parallelism needs attention dropout 0"
-        assert num_attention_heads % groups == 0 and num_attention_heads % tp == 0 and \
-            (groups % tp == 0 or tp % groups == 0), "heads / KV groups cannot be split over TP"
+        assert num_attention_heads % groups == 0, "megalite.config checks heads vs KV groups"
+        check_attention_split(num_attention_heads, groups, tp)
         self.head_dim = kv_channels or hidden_size // num_attention_heads
         self.causal, self.attention_dropout = causal, attention_dropout
         self.heads_per_rank = num_attention_heads // tp
