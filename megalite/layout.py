@@ -16,7 +16,7 @@ from megalite.mpu.attention import check_attention_split
 from megalite.mpu.parallel_state import GridLayout
 from megalite.optimizer.scheduler import check_decay_iters
 from megalite.placement import GPIPE, INTERLEAVED, ZB_H1, ZBV
-from megalite.schedules import resolve_schedule
+from megalite.schedules import resolve_schedule_name as resolve_schedule
 
 
 @dataclass(frozen=True)

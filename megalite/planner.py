@@ -4,8 +4,8 @@ The formulas are Megatron-LM's (REFERENCES.md): bytes per parameter of the model
 (plain vs distributed optimizer), activations per layer after Korthikanti et al. 2022
 (generalised to e-byte activations: masks stay 1 byte, so 2-byte sbh(34 + 5as/h) becomes
 sbh(16e + 2 + (2e + 1)as/h)), the in-flight microbatches of the pipeline schedule,
-Narayanan et al. 2021's FLOPs and bubble (Qi et al. 2024's for the zero-bubble schedules),
-and the bytes the TP, PP and DP collectives move, and the context-parallel ring
+Narayanan et al. 2021's FLOPs, the schedule's bubble (`accounting.schedule_bubble`), and
+the bytes the TP, PP and DP collectives move, and the context-parallel ring
 (`ring_attention_elements`). Sequence parallelism splits the norm/dropout/residual
 activations over TP (sbh(34 + 5as/h)/t per layer at 2 bytes, 34 sbh/t selective) and turns
 each TP all-reduce into an all-gather plus a reduce-scatter; context parallelism divides
@@ -14,7 +14,6 @@ every activation by cp. Byte counts are "payload" (the tensors handed to a colle
 bytes over n ranks sends 2(n-1)/n S, a reduce-scatter of S (n-1)/n S, an all-gather of
 shards of S (n-1) S, a point-to-point message its size).
 """
-import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -25,8 +24,9 @@ from megalite.metrics import flops_per_iteration
 from megalite.models.spec import TransformerSpec
 from megalite.models.stage import pipeline_layer_range
 from megalite.mpu.layers import pad_vocab_size
-from megalite.schedules.accounting import bubble_fraction as simulated_bubble
-from megalite.schedules.tables import build_schedule
+from megalite.placement import GPIPE, INTERLEAVED, ZBV
+from megalite.schedules import SCHEDULE_KINDS, ScheduleKind
+from megalite.schedules.accounting import schedule_bubble
 
 # Megatron's bytes per parameter: (parameters, gradients, optimizer states); the distributed
 # optimizer shards the optimizer states (fp32 main params, fp16's fp32 main grads, Adam m, v).
@@ -139,31 +139,13 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int =
     interleaved min(2(p-r-1) + (v-1)p + 1, m v) / v chunks, p (1 + (p-1)/(p v)) on rank 0
     (Megatron's interleaving penalty); ZBV min((m + r + 1) / 2, m, p). The linear layers'
     inputs and output grads that a deferred weight grad (W) keeps after B are not counted."""
-    if schedule == "gpipe":
+    if schedule == GPIPE:
         return Fraction(m)
-    if schedule == "interleaved":
+    if schedule == INTERLEAVED:
         return Fraction(min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v), v)
-    if schedule == "zbv":
+    if schedule == ZBV:
         return min(Fraction(m + rank + 1, 2), Fraction(min(m, p)))
     return Fraction(min(p - rank, m))
-
-
-def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
-    """Idle over compute time with the FLOP ratios F = B = W (input grad and weight grad
-    each cost a forward): (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved, ZB-H1's
-    (p-1)(F+B-W)/(m(F+B+W)) = (p-1)/(3m). ZBV has no closed form for every (p, m): its
-    table is run in the simulator ((p-1)/(6m) for p in {2, 4, 8}, m in {p, 2p}; about a
-    second at p = 16, m = 128)."""
-    if schedule == "zbv":
-        return _simulated_bubble(schedule, p, m, v)
-    if schedule == "zb-h1":
-        return Fraction(p - 1, 3 * m)
-    return Fraction(p - 1, v * m)
-
-
-@functools.lru_cache(maxsize=16)
-def _simulated_bubble(schedule: str, p: int, m: int, v: int) -> Fraction:
-    return simulated_bubble(build_schedule(schedule, p, m, v))
 
 
 def ring_wire(kind: str, payload: float, n: int) -> float:
@@ -211,7 +193,7 @@ class Plan:
     configs: Configs
     precision: str
     sequence_parallel: bool
-    schedule: str               # a name of megalite.schedules.PIPELINE_SCHEDULES
+    schedule: ScheduleKind      # the schedule the layout runs (resolve_schedule)
     padded_vocab: int
     dp: int
     microbatches: int           # per step per DP rank
@@ -240,7 +222,7 @@ class Plan:
     @property
     def bubble(self) -> Fraction:
         p = self.configs.parallel
-        return bubble_fraction(self.schedule, p.pipeline_model_parallel_size, self.microbatches,
+        return schedule_bubble(self.schedule, p.pipeline_model_parallel_size, self.microbatches,
                                p.virtual_pipeline_model_parallel_size or 1)
 
     def step_time(self, peak_tflops: float, mfu: float) -> float:
@@ -364,7 +346,7 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
     dp = par.data_parallel_size or 1
     cp = par.context_parallel_size
     layout = RunLayout.from_configs(configs, tp * pp * dp * cp)
-    m, schedule = layout.num_microbatches, layout.schedule
+    m, schedule = layout.num_microbatches, SCHEDULE_KINDS[layout.schedule]
     precision = precision_name(configs)
     e = ACTIVATION_BYTES[precision]
     padded_vocab = pad_vocab_size(configs.model.vocab_size,
@@ -375,10 +357,10 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
                                          dp * cp // ep)  # experts: sharded over expert-DP ranks
     stored, working = _layer_stack(configs, configs.model.num_layers // (pp * v), e, tp,
                                    sequence_parallel)
-    gpipe = schedule == "gpipe"
+    gpipe = schedule.name == GPIPE
     stages = {}
     for name, rank in (("first", 0), ("last", pp - 1)):
-        inflight = inflight_microbatches(schedule, pp, m, v, rank)
+        inflight = inflight_microbatches(schedule.name, pp, m, v, rank)
         extras = _extras(configs, e, tp, sequence_parallel, padded_vocab, rank == 0,
                          rank == pp - 1, m if gpipe else min(pp, m), m if gpipe else 1)
         stages[name] = StageMemory(stage_params(configs.model, padded_vocab, tp, pp, rank, v, ep),

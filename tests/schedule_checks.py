@@ -1,5 +1,5 @@
 """Checks shared by the schedule-table tests."""
-from megalite.schedules.tables import Kind
+from megalite.schedules.instructions import Kind
 
 
 def assert_dependencies_hold(spans: dict, last_stage: int, backward: Kind = Kind.BACKWARD) -> None:

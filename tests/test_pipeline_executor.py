@@ -3,10 +3,10 @@ activations, and the single-stage (PP = 1) step with loss scaling."""
 import pytest
 import torch
 
-from megalite.schedules import get_forward_backward_func
+from megalite.schedules import SCHEDULE_KINDS, get_forward_backward_func
 from megalite.schedules.accounting import simulate
 from megalite.schedules.executor import free_output, rank_table
-from megalite.schedules.tables import Kind
+from megalite.schedules.instructions import Kind
 from tests.reference import rel_err
 from tests.test_pipeline_parity import CONFIG, MICRO, SEQ, batch, forward_step, provider
 
@@ -17,7 +17,7 @@ CASES = [(name, p, v, m) for p in (2, 3, 4, 8) for m in (p, 2 * p, 3 * p)
 @pytest.mark.parametrize("case", CASES, ids=[f"{n}-p{p}-v{v}-m{m}" for n, p, v, m in CASES])
 def test_forward_only_tables_run_every_forward_without_deadlock(case):
     name, p, v, m = case
-    table = [list(rank_table(name, p, m, v, rank, True)) for rank in range(p)]
+    table = [list(rank_table(SCHEDULE_KINDS[name], p, m, v, rank, True)) for rank in range(p)]
     simulate(table)  # raises DeadlockError
     for rank in table:
         assert {ins.kind for ins in rank} <= {Kind.FORWARD, Kind.SEND_FORWARD, Kind.RECV_FORWARD}

@@ -10,15 +10,19 @@ from functools import cache
 
 import pytest
 
+from megalite.placement import PIPELINE_SCHEDULES
+from megalite.schedules import SCHEDULE_KINDS, resolve_schedule
 from megalite.schedules.accounting import (
     DeadlockError,
     bubble_fraction,
+    num_chunks,
     p2p_message_count,
     peak_inflight_activations,
     peak_inflight_microbatches,
     simulate,
 )
-from megalite.schedules.tables import Instruction, Kind, build_schedule, gpipe, interleaved_one_f_one_b, one_f_one_b
+from megalite.schedules.instructions import Instruction, Kind
+from megalite.schedules.tables import build_schedule, gpipe, interleaved_one_f_one_b, one_f_one_b
 from tests.schedule_checks import assert_dependencies_hold
 
 F, B = Kind.FORWARD, Kind.BACKWARD
@@ -173,3 +177,57 @@ def test_invalid_arguments_raise_one_clear_line(build, arg):
         build()
     message = str(err.value)
     assert message.startswith(f"{arg}: expected ") and "\n" not in message
+
+
+def test_one_record_per_schedule_name_agrees_with_its_table():
+    assert list(SCHEDULE_KINDS) == list(PIPELINE_SCHEDULES)
+    p, m = 4, 8
+    for name, kind in SCHEDULE_KINDS.items():
+        t = kind.builder(p, m, kind.min_chunks)
+        assert kind.name == name and num_chunks(t) == kind.min_chunks
+        assert kind.split_backward == any(i.kind is Kind.BACKWARD_INPUT for rank in t for i in rank)
+        if kind.closed_bubble is not None:
+            assert kind.closed_bubble(p, m, kind.min_chunks) == bubble_fraction(t), name
+
+
+@pytest.mark.parametrize("requested, pp, vpp, runs", [
+    ("zbv", 1, None, "1f1b"), ("gpipe", 1, None, "1f1b"), ("1f1b", 4, None, "1f1b"),
+    ("1f1b", 4, 2, "interleaved"), ("gpipe", 4, 2, "interleaved"), ("interleaved", 4, 2, "interleaved"),
+    ("zb-h1", 4, None, "zb-h1"), ("zbv", 4, 2, "zbv"),
+])
+def test_resolve_schedule(requested, pp, vpp, runs):
+    assert resolve_schedule(requested, pp, vpp) is SCHEDULE_KINDS[runs]
+
+
+def test_resolve_schedule_rejects_unknown_names():
+    with pytest.raises(ValueError, match="^pipeline_schedule: expected one of 1f1b, gpipe, "):
+        resolve_schedule("zero-bubble-h3", 4, None)
+
+
+PER_STEP = "microbatches per step ({} = --global-batch-size / (--micro-batch-size x DP))"
+
+
+@pytest.mark.parametrize("requested, pp, vpp, m, message", [
+    ("zb-h1", 2, 2, 4, "--pipeline-schedule zb-h1 runs one model chunk per rank: drop --vpp (2) "
+                       "or choose interleaved or zbv"),
+    ("gpipe", 2, 2, 4, "--pipeline-schedule gpipe runs one model chunk per rank: drop --vpp (2) "
+                       "or choose interleaved or zbv"),
+    ("zbv", 2, 4, 4, "--pipeline-schedule zbv runs 2 model chunks per rank, got --vpp 4"),
+    ("interleaved", 2, None, 4, "--pipeline-schedule interleaved runs at least 2 model chunks per "
+                                "rank, got no --vpp"),
+    ("1f1b", 2, 2, 3, f"interleaved schedule: {PER_STEP.format(3)} must be a multiple of --pp (2)"),
+    ("zb-h1", 4, None, 2, f"--pipeline-schedule zb-h1: {PER_STEP.format(2)} must be >= --pp (4)"),
+])
+def test_layout_check_raises_one_line_naming_the_flag(requested, pp, vpp, m, message):
+    with pytest.raises(ValueError) as err:
+        SCHEDULE_KINDS[requested].check_layout(pp, vpp, m)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("requested, pp, vpp, m", [
+    ("1f1b", 1, None, 1), ("gpipe", 4, None, 3), ("1f1b", 4, 2, 8), ("interleaved", 2, 4, 2),
+    ("zb-h1", 4, None, 4), ("zbv", 4, 2, 1),
+])
+def test_layout_check_accepts_what_the_tables_build(requested, pp, vpp, m):
+    SCHEDULE_KINDS[requested].check_layout(pp, vpp, m)
+    resolve_schedule(requested, pp, vpp).builder(pp, m, vpp or 1)

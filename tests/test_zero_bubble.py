@@ -18,7 +18,8 @@ from megalite.mpu import ColumnParallelLinear, RowParallelLinear
 from megalite.mpu.weight_grad import apply_weight_grads, defer_weight_grads
 from megalite.schedules.accounting import (bubble_fraction, peak_inflight_activations,
                                            p2p_message_count, simulate)
-from megalite.schedules.tables import Kind, build_schedule
+from megalite.schedules.instructions import Kind
+from megalite.schedules.tables import build_schedule
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 from tests.reference import rel_err

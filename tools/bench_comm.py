@@ -39,8 +39,10 @@ from megalite.models.stage import build_model_chunks, sync_shared_embedding  # n
 from megalite.mpu import (comm, destroy_model_parallel, initialize_model_parallel,  # noqa: E402
                           model_parallel_seed, parallel_state as ps)
 from megalite.rank_pool import run_once  # noqa: E402
-from megalite.schedules import get_forward_backward_func  # noqa: E402
-from megalite.schedules.tables import COMPUTE, build_schedule  # noqa: E402
+from megalite.placement import ONE_F_ONE_B  # noqa: E402
+from megalite.schedules import get_forward_backward_func, resolve_schedule  # noqa: E402
+from megalite.schedules.accounting import schedule_bubble  # noqa: E402
+from megalite.schedules.instructions import COMPUTE  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VOCAB = 256  # small, so that the first and last stage cost about what the others do
@@ -172,18 +174,19 @@ def report_pipeline(args: dict, world: int, steps: int) -> None:
     print(f"\nPP = {p}: measured bubble (idle / compute, mean over ranks, median of {steps} "
           "steps) vs closed form; idle per p2p batch (each one a wait on a neighbour)")
     for v_case, m_case in cases:
-        name = "interleaved" if v_case > 1 else "1f1b"
+        kind = resolve_schedule(ONE_F_ONE_B, p, v_case if v_case > 1 else None)
         per_step = [[(t - c) / c for t, c in step]
                     for step in zip(*(r[v_case, m_case]["timings"] for r in results))]
         idle = statistics.median(statistics.mean(t - c for t, c in step) for step in
                                  zip(*(r[v_case, m_case]["timings"] for r in results)))
         step_time = statistics.median(t for t, _ in results[0][v_case, m_case]["timings"])
-        table = build_schedule(name, p, m_case, v_case)
+        table = kind.builder(p, m_case, v_case)
         batches = statistics.mean(sum(not compute for compute, _ in itertools.groupby(
             rank, lambda ins: ins.kind in COMPUTE)) for rank in table)
-        print(f"  {name:11} v {v_case}, m {m_case:3}: measured "
+        closed = schedule_bubble(kind, p, m_case, v_case)
+        print(f"  {kind.name:11} v {v_case}, m {m_case:3}: measured "
               f"{statistics.median(statistics.mean(s) for s in per_step):.3f}, closed form "
-              f"(p-1)/(v m) = {(p - 1) / (v_case * m_case):.3f}  (step {step_time * 1e3:.0f} ms, "
+              f"{kind.bubble_form} = {float(closed):.3f}  (step {step_time * 1e3:.0f} ms, "
               f"{batches:.0f} p2p batches per rank, {idle / batches * 1e3:.1f} ms idle each)")
 
 

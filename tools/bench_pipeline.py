@@ -41,19 +41,19 @@ from megalite.device import free_port, init_distributed  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
 from megalite.models.stage import build_model_chunks, sync_shared_embedding  # noqa: E402
 from megalite.mpu import destroy_model_parallel, initialize_model_parallel  # noqa: E402
-from megalite.schedules import executor, get_forward_backward_func  # noqa: E402
-from megalite.schedules.accounting import bubble_fraction  # noqa: E402
-from megalite.schedules.tables import build_schedule  # noqa: E402
+from megalite.placement import INTERLEAVED, ONE_F_ONE_B, ZB_H1, ZBV  # noqa: E402
+from megalite.schedules import SCHEDULE_KINDS, executor, get_forward_backward_func  # noqa: E402
+from megalite.schedules.accounting import bubble_fraction, schedule_bubble  # noqa: E402
 
 P = 4
 LAYOUTS = {"loop, v=1": (None, False), "loop, v=2": (2, False), "V, v=2": (2, True)}
-OURS = {"1f1b": "loop, v=1", "zb-h1": "loop, v=1", "interleaved": "loop, v=2", "zbv": "V, v=2"}
+OURS = {ONE_F_ONE_B: "loop, v=1", ZB_H1: "loop, v=1", INTERLEAVED: "loop, v=2", ZBV: "V, v=2"}
 PEERS = {"Interleaved1F1B v=2": (ScheduleInterleaved1F1B, "loop, v=2"),
          "InterleavedZeroBubble v=1": (ScheduleInterleavedZeroBubble, "loop, v=1"),
          "InterleavedZeroBubble v=2": (ScheduleInterleavedZeroBubble, "loop, v=2"),
          "ZBVZeroBubble v=2": (ScheduleZBVZeroBubble, "V, v=2")}
-PEER_OF = {"interleaved": "Interleaved1F1B v=2", "zb-h1": "InterleavedZeroBubble v=1",
-           "zbv": "ZBVZeroBubble v=2"}  # the peer on the same split
+PEER_OF = {INTERLEAVED: "Interleaved1F1B v=2", ZB_H1: "InterleavedZeroBubble v=1",
+           ZBV: "ZBVZeroBubble v=2"}  # the peer on the same split
 OUR_COMPUTE = {"forward": "F", "backward": "B", "weight_grads": "W"}  # executor._Run methods
 PEER_COMPUTE = {"forward_one_chunk": "F", "backward_one_chunk": "B",
                 "backward_weight_one_chunk": "W"}
@@ -212,9 +212,9 @@ def measured_bubble(ranks: list[dict], name: str) -> float:
 def simulated_bubble(ranks: list[dict], name: str, m: int, v: int) -> Fraction:
     """The table's bubble in the simulator with the measured whole-stage F, B, W (rank mean;
     the fused backward of 1f1b/interleaved is B + W) from the zb-h1 run."""
-    kinds = [statistics.mean(r["per_kind"]["zb-h1"][k] for r in ranks) for k in "FBW"]
+    kinds = [statistics.mean(r["per_kind"][ZB_H1][k] for r in ranks) for k in "FBW"]
     f, b, w = (Fraction(round(t * 1e5)) for t in kinds)
-    return bubble_fraction(build_schedule(name, P, m, v), f, b, w)
+    return bubble_fraction(SCHEDULE_KINDS[name].builder(P, m, v), f, b, w)
 
 
 def main() -> None:
@@ -251,37 +251,38 @@ def report(ranks: list[dict], args: argparse.Namespace) -> None:
           f"{args.steps} steps after {args.warmup} warm-up")
     for name, error in ranks[0]["failed"].items():
         print(f"{name}: failed: {error}")
-    kinds = {k: statistics.mean(r["per_kind"]["zb-h1"][k] for r in ranks) for k in "FBW"}
+    kinds = {k: statistics.mean(r["per_kind"][ZB_H1][k] for r in ranks) for k in "FBW"}
     print("measured per-stage times in zb-h1 (rank mean): " + ", ".join(
         f"{k} {t * 1e3:.1f} ms" for k, t in kinds.items()))
     losses = {name: loss for r in ranks for name, loss in r["losses"].items()}
-    reference = losses["1f1b"]
+    reference = losses[ONE_F_ONE_B]
     print(f"{'schedule':36}{'ms/step':>9}{'bubble':>8}{'table':>8}{'loss':>11}"
           f"{'vs 1f1b':>9}{'/ peer':>8}")
     step_ms = {name: statistics.median(ranks[0]["times"][name]) * 1e3
                for name in ranks[0]["times"] if name not in ranks[0]["failed"]}
-    forms = {"1f1b": 1, "zb-h1": 1, "interleaved": 2, "zbv": 2}
     for name, ms in step_ms.items():
-        ours = name in forms
-        table = f"{float(simulated_bubble(ranks, name, m, forms[name])):.3f}" if ours else "-"
+        ours = name in OURS
+        v = SCHEDULE_KINDS[name].min_chunks if ours else 0
+        table = f"{float(simulated_bubble(ranks, name, m, v)):.3f}" if ours else "-"
         peer = "peer " + PEER_OF[name] if name in PEER_OF else None
         ratio = f"{ms / step_ms[peer]:.3f}" if peer in step_ms else "-"
         rel = abs(losses[name] - reference) / abs(reference)
         label = f"megalite {name}" if ours else f"pipelining {name[5:]}"
         print(f"{label:36}{ms:9.1f}{measured_bubble(ranks, name):8.3f}{table:>8}"
               f"{losses[name]:11.6f}{rel:9.1e}{ratio:>8}")
-    h1 = measured_bubble(ranks, "zb-h1")
-    base = measured_bubble(ranks, "1f1b")
+    h1 = measured_bubble(ranks, ZB_H1)
+    base = measured_bubble(ranks, ONE_F_ONE_B)
     print(f"target ZB-H1 bubble <= 0.5 x 1F1B's at m = {m} (2p = {2 * P}): {h1:.3f} vs "
           f"0.5 x {base:.3f} = {0.5 * base:.3f} -> {'met' if h1 <= 0.5 * base else 'NOT met'}")
-    for name in ("zb-h1", "zbv"):
+    for name in (ZB_H1, ZBV):
         peer = "peer " + PEER_OF[name]
         if peer in step_ms:
             ok = step_ms[name] <= step_ms[peer]
             print(f"target megalite {name} step time <= pipelining {PEER_OF[name]}: "
                   f"{step_ms[name]:.1f} vs {step_ms[peer]:.1f} ms -> {'met' if ok else 'NOT met'}")
-    print(f"closed forms (F = B = W): 1f1b (p-1)/m = {(P - 1) / m:.3f}, interleaved "
-          f"(p-1)/(2m) = {(P - 1) / (2 * m):.3f}, zb-h1 (p-1)/(3m) = {(P - 1) / (3 * m):.3f}")
+    print("schedules' bubbles (F = B = W): " + ", ".join(
+        f"{name} {kind.bubble_form} = {float(schedule_bubble(kind, P, m, kind.min_chunks)):.3f}"
+        for name, kind in SCHEDULE_KINDS.items() if name in OURS))
 
 
 if __name__ == "__main__":

@@ -73,10 +73,6 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-BUBBLE_FORMS = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)",
-                "zb-h1": "(p-1)/(3m) (F = B = W)", "zbv": "simulated table (F = B = W)"}
-
-
 def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
     """The plan as text."""
     c, par = p.configs, p.configs.parallel
@@ -90,7 +86,7 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
         f"TP {tp} x CP {par.context_parallel_size} x PP {pp}{f' x VPP {v}' if v > 1 else ''} x "
         f"DP {p.dp} = {p.gpus} GPUs; micro "
         f"batch {t.micro_batch_size}, global batch {p.global_batch} = {p.microbatches} "
-        f"microbatches per DP rank; {p.schedule}; {p.precision}, recompute "
+        f"microbatches per DP rank; {p.schedule.name}; {p.precision}, recompute "
         f"{m.recompute_granularity or 'none'}, "
         f"{'distributed' if c.optimizer.use_distributed_optimizer else 'plain'} optimizer"
         f"{', sequence parallel' if p.sequence_parallel else ''}",
@@ -109,7 +105,7 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
               f"{float(last.inflight):12.3g}",
               f"  fits {capacity_gib:g} GiB: "
               f"{'yes' if max(first.total, last.total) <= capacity_gib * GIB else 'NO'}", ""]
-    lines.append(f"Pipeline bubble: {float(p.bubble):.4f} = {BUBBLE_FORMS[p.schedule]}")
+    lines.append(f"Pipeline bubble: {float(p.bubble):.4f} = {p.schedule.bubble_form} (F = B = W)")
     lines.append(f"FLOPs per step: {p.flops:.4e} (Megatron's "
                  f"{'96' if m.recompute_granularity == 'full' else '72'} B s L h^2 formula)")
     step = p.step_time(peak_tflops, mfu)

@@ -20,11 +20,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.planner import bubble_fraction as bubble_formula  # noqa: E402
+from megalite.placement import ONE_F_ONE_B, PIPELINE_SCHEDULES  # noqa: E402
+from megalite.schedules import SCHEDULE_KINDS  # noqa: E402
 from megalite.schedules.accounting import (bubble_fraction, num_chunks,  # noqa: E402
                                            peak_inflight_activations, peak_pending_weight_grads,
-                                           simulate)
-from megalite.schedules.tables import SCHEDULES, Kind, build_schedule  # noqa: E402
+                                           schedule_bubble, simulate)
+from megalite.schedules.instructions import Kind  # noqa: E402
 
 COLORS = {Kind.FORWARD: plt.cm.Blues, Kind.BACKWARD: plt.cm.Greens,
           Kind.BACKWARD_INPUT: plt.cm.Oranges, Kind.BACKWARD_WEIGHT: plt.cm.Purples}
@@ -36,24 +37,24 @@ def color(kind: Kind, chunk: int, v: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    parser.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default=ONE_F_ONE_B)
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks p")
     parser.add_argument("--vpp", type=int, default=None,
-                        help="model chunks per rank v (interleaved; zbv: 2, the default)")
+                        help="model chunks per rank v (default: the schedule's least)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches m")
     parser.add_argument("--out", default="schedule.png")
     args = parser.parse_args()
-    p, m = args.pp, args.microbatches
-    v = args.vpp or (2 if args.schedule == "zbv" else 1)
+    p, m, kind = args.pp, args.microbatches, SCHEDULE_KINDS[args.schedule]
+    v = args.vpp or kind.min_chunks
     try:
-        table = build_schedule(args.schedule, p, m, v)
+        table = kind.builder(p, m, v)
     except ValueError as err:
         parser.error(str(err))
     timeline = simulate(table)
     bubble = bubble_fraction(table)
-    closed = bubble_formula(args.schedule, p, m, v)
-    print(f"bubble fraction: table {float(bubble):.4f} ({bubble}), planner {float(closed):.4f} "
-          f"({closed}: (p-1)/(v*m); zb-h1 (p-1)(F+B-W)/(m(F+B+W)); zbv: its table)")
+    closed = schedule_bubble(kind, p, m, v)
+    print(f"bubble fraction: table {float(bubble):.4f} ({bubble}), schedule's record "
+          f"{float(closed):.4f} ({closed} = {kind.bubble_form})")
     for rank in range(p):
         print(f"rank {rank}: peak in-flight activations "
               f"{peak_inflight_activations(table, rank) / num_chunks(table):g} microbatches, "

@@ -1,10 +1,10 @@
-"""Run one pipeline rank's schedule table: `forward_backward(...)`.
+"""Run one pipeline rank's schedule table: `get_forward_backward_func()`, `forward_backward(...)`.
 
-The table (any of `megalite.schedules.tables.SCHEDULES`) is walked in order: each
+The table (of any `megalite.schedules.tables.ScheduleKind`) is walked in order: each
 FORWARD / BACKWARD runs a model chunk, each maximal run of
 sends/recvs is one batch posted on the pipeline group and waited for (the
-executor rule in tables.py, deadlock-free for every p >= 2). With p = 1 the 1f1b
-table is F B F B ...: plain gradient accumulation. Split-backward schedules (zb-h1, zbv)
+executor rule in instructions.py, deadlock-free for every p >= 2). With p = 1 the 1F1B
+table is F B F B ...: plain gradient accumulation. Split-backward schedules (zero bubble)
 run BACKWARD_INPUT inside `weight_grad.defer_weight_grads()`, keeping the queued
 weight-grad work by (chunk, microbatch) until its BACKWARD_WEIGHT applies it.
 
@@ -29,8 +29,10 @@ from megalite.models.transformer_stage import moe_states
 from megalite.moe import training_step
 from megalite.mpu import comm, parallel_state
 from megalite.mpu.weight_grad import apply_weight_grads, defer_weight_grads
+from megalite.placement import ONE_F_ONE_B, Placement
+from megalite.schedules.instructions import COMPUTE, Instruction, Kind
 from megalite.schedules.p2p import Channel
-from megalite.schedules.tables import COMPUTE, Instruction, Kind, Placement, build_schedule, placement
+from megalite.schedules.tables import SCHEDULE_KINDS, ScheduleKind, resolve_schedule
 
 LossDict = dict[str, torch.Tensor]
 BACKWARD_KINDS = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT,
@@ -38,11 +40,11 @@ BACKWARD_KINDS = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WE
 
 
 @functools.lru_cache(maxsize=32)
-def rank_table(schedule: str, p: int, m: int, v: int, rank: int,
+def rank_table(schedule: ScheduleKind, p: int, m: int, v: int, rank: int,
                forward_only: bool) -> tuple[Instruction, ...]:
     """This rank's instructions; forward_only drops backwards and grad messages (the rounds of
     the remaining forwards are unchanged, so the batching rule stays deadlock-free)."""
-    table = build_schedule(schedule, p, m, v)[rank]
+    table = schedule.builder(p, m, v)[rank]
     return tuple(ins for ins in table if not (forward_only and ins.kind in BACKWARD_KINDS))
 
 
@@ -211,13 +213,13 @@ def _sequence_split(model: nn.Module) -> int:
     return tp * parallel_state.get_context_parallel_world_size()
 
 
-def forward_backward(*, schedule: str, forward_step_func: Callable,
+def forward_backward(*, schedule: ScheduleKind, forward_step_func: Callable,
                      data_iterator: Iterator | list | None, model: nn.Module | list[nn.Module],
                      num_microbatches: int, seq_length: int, micro_batch_size: int,
                      forward_only: bool = False, loss_scale: float = 1.0) -> list[LossDict]:
-    """One step of schedule `schedule` (a key of tables.SCHEDULES) on this rank.
+    """One step of schedule `schedule` on this rank.
 
-    model: this rank's chunk, or its list of v chunks (interleaved, zbv). data_iterator: one
+    model: this rank's chunk, or its list of v chunks. data_iterator: one
     iterator (tee'd across chunks) or a list of one per chunk. Inter-stage tensors are
     [seq_length, micro_batch_size, hidden_size] in the model's parameter dtype (seq_length
     divided by CP, and by TP when the model is sequence parallel).
@@ -240,7 +242,7 @@ def forward_backward(*, schedule: str, forward_step_func: Callable,
              unwrap(chunks[0]).config.hidden_size)
     run = _Run(forward_step_func, _chunk_iterators(data_iterator, v), chunks, num_microbatches,
                Channel(shape, param.dtype, param.device), forward_only, loss_scale,
-               placement(schedule, p, v))
+               schedule.placement(p, v))
     with torch.no_grad() if forward_only else \
             training_step(moe_states(chunks), loss_scale / num_microbatches):
         for is_compute, group in itertools.groupby(table, lambda ins: ins.kind in COMPUTE):
@@ -256,3 +258,27 @@ def forward_backward(*, schedule: str, forward_step_func: Callable,
                 else:
                     run.backward(key, ins.kind)
     return share_losses(run.losses, num_microbatches, param.device)
+
+
+def get_forward_backward_func(pipeline_schedule: str = ONE_F_ONE_B
+                              ) -> Callable[..., list[LossDict]]:
+    """The step function for the current grid (megalite.mpu.parallel_state).
+
+    PP = 1: gradient accumulation over the microbatches (whatever the schedule). PP > 1:
+    `pipeline_schedule` (ParallelConfig.pipeline_schedule) as `tables.resolve_schedule`
+    resolves it with the grid's VPP; a schedule in V placement needs the grid built with it
+    (initialize_model_parallel(..., v_shape_placement=True)), and only such a schedule.
+    The callable takes the keywords forward_step_func, data_iterator, model, num_microbatches,
+    seq_length, micro_batch_size, forward_only (and optional loss_scale) and returns the
+    per-microbatch loss dicts on every rank (see `forward_backward`).
+    """
+    kind = resolve_schedule(pipeline_schedule,
+                            parallel_state.get_pipeline_model_parallel_world_size(),
+                            parallel_state.get_virtual_pipeline_model_parallel_world_size())
+    v_shape = parallel_state.is_pipeline_v_shape()
+    if kind.v_shape != v_shape:
+        v_shaped = ", ".join(k.name for k in SCHEDULE_KINDS.values() if k.v_shape)
+        raise ValueError(f"pipeline_schedule: {kind.name} on a grid "
+                         f"{'with' if v_shape else 'without'} V placement (initialize_model_"
+                         f"parallel(..., v_shape_placement=True) is for {v_shaped}, and only it)")
+    return functools.partial(forward_backward, schedule=kind)

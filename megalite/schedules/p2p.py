@@ -2,7 +2,7 @@
 
 One call posts one batch of sends and recvs on the pipeline group (through
 `megalite.mpu.comm.batch_send_recv`, which counts the bytes) and waits for all of
-them, as the executor rule in `megalite.schedules.tables` requires. Every message
+them, as the executor rule in `megalite.schedules.instructions` requires. Every message
 has the same shape and dtype, so receivers allocate their buffers up front.
 """
 from dataclasses import dataclass

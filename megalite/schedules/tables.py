@@ -1,106 +1,36 @@
-"""Pipeline schedules as data: one ordered instruction list per pipeline rank.
+"""Pipeline schedules as data: the table builders, and one record per schedule kind.
 
-Rank r of p holds v model chunks; local chunk c is global stage c*p + r, so the
-stage after (rank r, chunk c) is on rank r+1, and the last rank's chunk c feeds
-rank 0's chunk c+1 (the zbv schedule uses the V placement instead, see
-`Placement`). Ranks, chunks and microbatches count from 0.
-
-Instructions (each carries the LOCAL chunk and the microbatch it belongs to):
-  FORWARD, BACKWARD   compute; the last stage's backward starts from the loss.
-  BACKWARD_INPUT      B of the split backward (zb-h1, zbv): the input grad only; the
-                      linear layers queue their weight-grad work.
-  BACKWARD_WEIGHT     W: runs that queued work, any time after its B on the same rank.
-  RECV_FORWARD        input activation, from the previous stage on `peer`.
-  SEND_FORWARD        output activation, to the next stage on `peer`.
-  RECV_BACKWARD       grad of the output, from the next stage on `peer`.
-  SEND_BACKWARD       grad of the input, to the previous stage on `peer`.
-The first global stage has no RECV_FORWARD/SEND_BACKWARD, the last no
-SEND_FORWARD/RECV_BACKWARD; consecutive stages on one rank (V placement) hand
-over without messages. A recv may come several computes before the one
-that consumes it: the executor keeps received tensors by (chunk, microbatch).
-
-Executor rule. Walk the list in order and run each compute. A maximal run of
-consecutive send/recv instructions is one batch: make one P2POp per
-instruction, in list order, post them with a single
-torch.distributed.batch_isend_irecv and wait for all of them before going on.
-This is deadlock-free even when every op blocks until its partner is posted
-(NCCL group semantics), because the tables are built in lockstep rounds:
-  * every compute step gets a round number, increasing along each rank and
-    greater than the rounds of the steps producing its inputs;
-  * the batch a rank posts after its round-t step holds the sends of what it
-    computed in round t and the recvs of what its neighbours computed in round
-    t, so round-t batches on neighbouring ranks hold exactly each other's
-    partners and complete together, round after round (when a rank computes
-    nothing between rounds its batches merge, which keeps this true);
-  * inside a round, messages are listed in the sender's order on both ends,
-    so for each ordered pair (src, dst) the n-th send src->dst and the n-th
-    recv on dst from src are the same tensor: messages match in posting order
-    (NCCL, or gloo with a single tag).
-`megalite.schedules.accounting.simulate` runs tables under these semantics
-and raises on a deadlock. A step is one compute, except in the interleaved
-steady state where it is one forward + one backward, as in Megatron-LM
-(send_forward_recv_backward after each compute without interleaving,
-send_forward_backward_recv_forward_backward after each pair with it).
+A builder takes p pipeline ranks, m microbatches and v model chunks per rank and returns
+one instruction list per rank (`megalite.schedules.instructions`); it raises ValueError
+(one line naming the argument) when its record's rules reject (p, m, v). `SCHEDULE_KINDS`
+holds the records (`ScheduleKind`): builder, chunks and placement, the microbatches needed,
+split backward or not, the closed-form bubble; `resolve_schedule` picks the one a layout runs.
 """
-
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
-from megalite.placement import Placement
-
-
-class Kind(enum.Enum):
-    FORWARD = enum.auto()
-    BACKWARD = enum.auto()
-    BACKWARD_INPUT = enum.auto()
-    BACKWARD_WEIGHT = enum.auto()
-    RECV_FORWARD = enum.auto()
-    SEND_FORWARD = enum.auto()
-    RECV_BACKWARD = enum.auto()
-    SEND_BACKWARD = enum.auto()
-
-
-COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT})
-INPUT_GRAD = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT})  # computes whose result goes back
-SENDS = frozenset({Kind.SEND_FORWARD, Kind.SEND_BACKWARD})
-
-
-@dataclass(frozen=True)
-class Instruction:
-    """One step of a rank's schedule; a send/recv names the other end: `peer` rank and the
-    local chunk there (`peer_chunk`)."""
-
-    kind: Kind
-    chunk: int
-    microbatch: int
-    peer: int | None = None
-    peer_chunk: int | None = None
-
-    def __str__(self) -> str:
-        peer = "" if self.peer is None else f", peer {self.peer} chunk {self.peer_chunk}"
-        return f"{self.kind.name}(chunk {self.chunk}, microbatch {self.microbatch}{peer})"
-
-
-Table = list[list[Instruction]]
+from megalite.placement import (GPIPE, INTERLEAVED, ONE_F_ONE_B, PIPELINE_SCHEDULES, ZB_H1, ZBV,
+                                Placement)
+from megalite.schedules.instructions import Instruction, Kind, Step, Table, assemble
 
 
 def gpipe(p: int, m: int, v: int = 1) -> Table:
-    """GPipe: every rank runs all m forwards, then all m backwards (microbatch
-    order). No virtual chunks: v must be 1."""
-    _check("gpipe", p, m, v)
-    return _build(Placement(p, 1), [_loop_steps(p, m, 1, m, False) for _ in range(p)])
+    """GPipe: every rank runs all m forwards, then all m backwards (microbatch order)."""
+    kind = SCHEDULE_KINDS[GPIPE]
+    kind.check_arguments(p, m, v)
+    return assemble(kind.placement(p, v), [_loop_steps(p, m, 1, m, False) for _ in range(p)])
 
 
 def one_f_one_b(p: int, m: int, v: int = 1) -> Table:
     """1F1B (PipeDream-Flush): rank r warms up with min(p-r-1, m) forwards, then
-    alternates one forward and one backward, then cools down with backwards.
-    No virtual chunks: v must be 1."""
-    _check("1f1b", p, m, v)
-    return _build(Placement(p, 1),
-                  [_loop_steps(p, m, 1, min(p - rank - 1, m), False) for rank in range(p)])
+    alternates one forward and one backward, then cools down with backwards."""
+    kind = SCHEDULE_KINDS[ONE_F_ONE_B]
+    kind.check_arguments(p, m, v)
+    return assemble(kind.placement(p, v),
+                    [_loop_steps(p, m, 1, min(p - rank - 1, m), False) for rank in range(p)])
 
 
 def interleaved_one_f_one_b(p: int, m: int, v: int) -> Table:
@@ -108,11 +38,11 @@ def interleaved_one_f_one_b(p: int, m: int, v: int) -> Table:
 
     Microbatches go through the chunks in groups of p (depth-first); rank r
     warms up with min(2(p-r-1) + (v-1)p, m*v) forwards, then alternates, and
-    its backwards walk the chunks in reverse order. Needs p >= 2, v >= 2 and m
-    a multiple of p.
+    its backwards walk the chunks in reverse order.
     """
-    _check("interleaved", p, m, v)
-    return _build(Placement(p, v), [
+    kind = SCHEDULE_KINDS[INTERLEAVED]
+    kind.check_arguments(p, m, v)
+    return assemble(kind.placement(p, v), [
         _loop_steps(p, m, v, min(2 * (p - rank - 1) + (v - 1) * p, m * v), True)
         for rank in range(p)])
 
@@ -121,10 +51,10 @@ def zero_bubble_h1(p: int, m: int, v: int = 1) -> Table:
     """ZB-H1 (Qi et al. 2024): 1F1B's forwards and input-grad backwards B, with each weight-grad
     W moved later to fill the cool-down bubble. Rank r warms up with p-r-1 forwards like 1F1B,
     then runs F B W steps whose W lags r microbatches behind its B, and ends with its last r
-    W's. Same forwards in flight as 1F1B; bubble (p-1)(F+B-W) instead of (p-1)(F+B+W).
-    Needs p >= 2, m >= p and v = 1."""
-    _check("zb-h1", p, m, v)
-    return _build(Placement(p, 1), [_zb_h1_steps(p, m, rank) for rank in range(p)])
+    W's. Same forwards in flight as 1F1B; bubble (p-1)(F+B-W) instead of (p-1)(F+B+W)."""
+    kind = SCHEDULE_KINDS[ZB_H1]
+    kind.check_arguments(p, m, v)
+    return assemble(kind.placement(p, v), [_zb_h1_steps(p, m, rank) for rank in range(p)])
 
 
 def zero_bubble_v(p: int, m: int, v: int = 2) -> Table:
@@ -132,31 +62,136 @@ def zero_bubble_v(p: int, m: int, v: int = 2) -> Table:
     backward, built by list scheduling with unit F = B = W times: a rank runs a ready B
     first, else a ready F while fewer than 2p chunk-microbatches are between their F and
     their W (1F1B's peak activation memory: p microbatches of the whole rank), else the
-    oldest pending W. Needs p >= 2, v = 2 and m >= 2p (with fewer microbatches it runs,
-    but the bubble is no longer near zero)."""
-    _check("zbv", p, m, v)
-    return _build(Placement(p, 2, v_shape=True), _list_schedule(Placement(p, 2, True), m, 2 * p))
+    oldest pending W. With m < 2p it runs, but the bubble is no longer near zero."""
+    kind = SCHEDULE_KINDS[ZBV]
+    kind.check_arguments(p, m, v)
+    place = kind.placement(p, v)
+    return assemble(place, _list_schedule(place, m, 2 * p))
 
 
-SCHEDULES: dict[str, Callable[..., Table]] = {
-    "1f1b": one_f_one_b,
-    "gpipe": gpipe,
-    "interleaved": interleaved_one_f_one_b,
-    "zb-h1": zero_bubble_h1,
-    "zbv": zero_bubble_v,
-}
-SPLIT_BACKWARD = frozenset({"zb-h1", "zbv"})  # schedules with separate B and W instructions
+def _one(p: int) -> int:
+    return 1
 
 
-def placement(name: str, p: int, v: int) -> Placement:
-    """Where schedule `name` puts the stages (V for zbv, loop for the others)."""
-    return Placement(p, v, v_shape=name == "zbv")
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One pipeline schedule, as data: how to build its table and which layouts it runs."""
+
+    name: str                                   # one of megalite.placement.PIPELINE_SCHEDULES
+    builder: Callable[[int, int, int], Table]   # (p, m, v) -> table, checked against this record
+    min_chunks: int = 1                         # model chunks per rank v: at least this many,
+    max_chunks: int | None = 1                  # and at most this many (None: no bound)
+    v_shape: bool = False                       # V placement of the stages (else loop)
+    split_backward: bool = False                # B and W instructions instead of one backward
+    min_ranks: int = 1                          # pipeline ranks p
+    min_microbatches: Callable[[int], int] = _one   # least m, of p
+    microbatches_multiple_of_p: bool = False
+    interleaves_with_vpp: bool = False          # one chunk, but with --vpp it runs interleaved
+    closed_bubble: Callable[[int, int, int], Fraction] | None = None  # (p, m, v), F = B = W
+    bubble_form: str = "its simulated table"    # the bubble (idle / compute) as a formula
+
+    def placement(self, p: int, v: int) -> Placement:
+        """Where the p * v stages sit (rank, local chunk)."""
+        return Placement(p, v, v_shape=self.v_shape)
+
+    def runs_chunks(self, v: int) -> bool:
+        """Whether it runs v model chunks per rank."""
+        return self.min_chunks <= v and (self.max_chunks is None or v <= self.max_chunks)
+
+    def check_arguments(self, p: int, m: int, v: int) -> None:
+        """Raise ValueError ("p|m|v: expected ..., got ...") unless the builder takes (p, m, v)."""
+        _require("p", p, _is_int(p) and p >= self.min_ranks, f"an int >= {self.min_ranks} "
+                 f"pipeline ranks{f' for {self.name}' if self.min_ranks > 1 else ''}")
+        if self.microbatches_multiple_of_p:
+            _require("m", m, _is_int(m) and m >= 1 and m % p == 0,
+                     f"a positive multiple of p={p} microbatches")
+        else:
+            least = self.min_microbatches(p)
+            _require("m", m, _is_int(m) and m >= least, f"an int >= {least} microbatches"
+                     + (f" (p={p}) for {self.name}" if least > 1 else ""))
+        more = f" (more need {_chunked_names()})" if self.max_chunks == 1 else ""
+        _require("v", v, _is_int(v) and self.runs_chunks(v),
+                 f"{self._chunks('an int >= ')} per rank for {self.name}{more}")
+
+    def check_layout(self, pp: int, vpp: int | None, microbatches: int) -> None:
+        """Raise ValueError (one line naming the flag) unless --pipeline-schedule <this> runs
+        with --pp `pp`, --vpp `vpp` and `microbatches` per step (and DP rank): `check_chunks`,
+        then the resolved schedule's `check_microbatches`."""
+        self.check_chunks(pp, vpp)
+        resolve_schedule(self.name, pp, vpp).check_microbatches(pp, microbatches)
+
+    def check_chunks(self, pp: int, vpp: int | None) -> None:
+        """The chunk rules of `check_layout` (they need no batch sizes): --vpp with a one-chunk
+        schedule, and the chunks of the schedule that runs."""
+        if vpp and self.max_chunks == 1 and not self.interleaves_with_vpp:
+            raise ValueError(f"--pipeline-schedule {self.name} runs one model chunk per rank: "
+                             f"drop --vpp ({vpp}) or choose {_chunked_names()}")
+        kind = resolve_schedule(self.name, pp, vpp)
+        if not kind.runs_chunks(vpp or 1):
+            raise ValueError(f"--pipeline-schedule {kind.name} runs {kind._chunks()} per rank, "
+                             + (f"got --vpp {vpp}" if vpp else "got no --vpp"))
+
+    def check_microbatches(self, pp: int, microbatches: int) -> None:
+        """The microbatch rules of `check_layout`, for this schedule running on `pp` ranks."""
+        per_step = (f"microbatches per step ({microbatches} = --global-batch-size / "
+                    "(--micro-batch-size x DP))")
+        if self.microbatches_multiple_of_p and microbatches % pp:
+            raise ValueError(f"{self.name} schedule: {per_step} must be a multiple of --pp ({pp})")
+        least = self.min_microbatches(pp)
+        if microbatches < least:
+            raise ValueError(f"--pipeline-schedule {self.name}: {per_step} must be >= "
+                             + (f"--pp ({pp})" if least == pp else str(least)))
+
+    def _chunks(self, at_least: str = "at least ") -> str:
+        if self.max_chunks is None:
+            return f"{at_least}{self.min_chunks} model chunks"
+        return f"{self.max_chunks} model chunk{'s' if self.max_chunks > 1 else ''}"
+
+
+_KINDS = (
+    ScheduleKind(ONE_F_ONE_B, one_f_one_b, interleaves_with_vpp=True,
+                 closed_bubble=lambda p, m, v: Fraction(p - 1, m), bubble_form="(p-1)/m"),
+    ScheduleKind(GPIPE, gpipe, closed_bubble=lambda p, m, v: Fraction(p - 1, m),
+                 bubble_form="(p-1)/m"),
+    ScheduleKind(INTERLEAVED, interleaved_one_f_one_b, min_chunks=2, max_chunks=None,
+                 min_ranks=2, microbatches_multiple_of_p=True,
+                 closed_bubble=lambda p, m, v: Fraction(p - 1, v * m), bubble_form="(p-1)/(v m)"),
+    ScheduleKind(ZB_H1, zero_bubble_h1, split_backward=True, min_ranks=2,
+                 min_microbatches=lambda p: p,  # bubble (p-1)(F+B-W) / (m(F+B+W)):
+                 closed_bubble=lambda p, m, v: Fraction(p - 1, 3 * m), bubble_form="(p-1)/(3m)"),
+    ScheduleKind(ZBV, zero_bubble_v, min_chunks=2, max_chunks=2, v_shape=True,
+                 split_backward=True, min_ranks=2),  # no closed form for every (p, m)
+)
+SCHEDULE_KINDS: dict[str, ScheduleKind] = {kind.name: kind for kind in _KINDS}
+
+
+def resolve_schedule(pipeline_schedule: str, pp: int, vpp: int | None) -> ScheduleKind:
+    """The schedule a grid of `pp` pipeline ranks with `vpp` chunks each runs for
+    --pipeline-schedule `pipeline_schedule`: 1F1B (plain accumulation) when pp = 1,
+    interleaved when chunks are asked for with a one-chunk schedule, else the one named."""
+    kind = _named("pipeline_schedule", pipeline_schedule)
+    if pp == 1:
+        return SCHEDULE_KINDS[ONE_F_ONE_B]  # with p = 1: F B F B ..., no communication
+    return SCHEDULE_KINDS[INTERLEAVED] if vpp and kind.max_chunks == 1 else kind
+
+
+def resolve_schedule_name(pipeline_schedule: str, pp: int, vpp: int | None) -> str:
+    """`resolve_schedule(...).name`, for megalite.layout until RunLayout holds the record."""
+    return resolve_schedule(pipeline_schedule, pp, vpp).name
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Table:
-    """The table of schedule `name` (a key of SCHEDULES) for p ranks, m microbatches, v chunks."""
-    _require("name", name, name in SCHEDULES, f"one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](p, m, v)
+    """The table of schedule `name` (a SCHEDULE_KINDS key): p ranks, m microbatches, v chunks."""
+    return _named("name", name).builder(p, m, v)
+
+
+def _named(arg: str, name: str) -> ScheduleKind:
+    _require(arg, name, name in SCHEDULE_KINDS, f"one of {', '.join(PIPELINE_SCHEDULES)}")
+    return SCHEDULE_KINDS[name]
+
+
+def _chunked_names() -> str:
+    return " or ".join(k.name for k in SCHEDULE_KINDS.values() if k.max_chunks != 1)
 
 
 def _is_int(x: object) -> bool:
@@ -166,27 +201,6 @@ def _is_int(x: object) -> bool:
 def _require(arg: str, value: object, ok: bool, expected: str) -> None:
     if not ok:
         raise ValueError(f"{arg}: expected {expected}, got {value!r}")
-
-
-def _check(schedule: str, p: int, m: int, v: int) -> None:
-    multi = schedule in ("interleaved", "zb-h1", "zbv")
-    _require("p", p, _is_int(p) and p >= (2 if multi else 1),
-             f"an int >= 2 pipeline ranks for {schedule}" if multi else "an int >= 1 pipeline ranks")
-    if schedule == "interleaved":
-        _require("m", m, _is_int(m) and m >= 1 and m % p == 0, f"a positive multiple of p={p} microbatches")
-        _require("v", v, _is_int(v) and v >= 2, "an int >= 2 model chunks per rank for interleaved")
-    elif schedule == "zbv":
-        _require("m", m, _is_int(m) and m >= 1, "an int >= 1 microbatches")
-        _require("v", v, v == 2, "2 model chunks per rank for zbv")
-    else:
-        least = p if schedule == "zb-h1" else 1
-        _require("m", m, _is_int(m) and m >= least, f"an int >= {least} microbatches"
-                 + (f" (p={p}) for zb-h1" if least > 1 else ""))
-        _require("v", v, _is_int(v) and v == 1,
-                 f"1 model chunk per rank for {schedule} (more need interleaved or zbv)")
-
-
-Step = list[Instruction]  # computes run with no communication between them
 
 
 def _virtual(k: int, p: int, v: int, forward: bool) -> tuple[int, int]:
@@ -283,85 +297,3 @@ def _pick(place: Placement, rank: int, m: int, t: int, done: dict, next_f: list[
     if pending_w:
         return Kind.BACKWARD_WEIGHT, *pending_w[0]
     return None
-
-
-def _build(place: Placement, steps: list[list[Step]]) -> Table:
-    return _emit(steps, _rounds(steps, place), place)
-
-
-def _input_key(op: Instruction, rank: int, place: Placement) -> tuple[str, int, int] | None:
-    """(F|B, stage, microbatch) of the compute whose output `op` consumes (None: the data, the
-    loss, or a W, whose B is earlier on the same rank)."""
-    stage = place.stage(rank, op.chunk)
-    if op.kind is Kind.FORWARD:
-        return ("F", stage - 1, op.microbatch) if stage > 0 else None
-    if op.kind in INPUT_GRAD:
-        return ("B", stage + 1, op.microbatch) if stage < place.num_stages - 1 else None
-    return None
-
-
-def _output_key(op: Instruction, rank: int, place: Placement) -> tuple[str, int, int]:
-    return ("F" if op.kind is Kind.FORWARD else "B" if op.kind in INPUT_GRAD else "W",
-            place.stage(rank, op.chunk), op.microbatch)
-
-
-def _rounds(steps: list[list[Step]], place: Placement) -> list[list[int]]:
-    """Earliest round of every step: after the previous step of its rank and
-    after the steps producing its inputs (on other ranks or its own)."""
-    done: dict[tuple[str, int, int], int] = {}
-    rounds: list[list[int]] = [[] for _ in steps]
-    progress = True
-    while progress:
-        progress = False
-        for rank, rank_steps in enumerate(steps):
-            for step in rank_steps[len(rounds[rank]):]:
-                inputs = [key for op in step if (key := _input_key(op, rank, place))]
-                if any(key not in done for key in inputs):
-                    break
-                t = 1 + max([rounds[rank][-1] if rounds[rank] else -1, *(done[key] for key in inputs)])
-                rounds[rank].append(t)
-                done.update({_output_key(op, rank, place): t for op in step})
-                progress = True
-    if any(len(r) != len(s) for r, s in zip(rounds, steps)):
-        raise RuntimeError("schedule builder: a compute waits for one that never runs")
-    return rounds
-
-
-def _message(op: Instruction, rank: int, place: Placement) -> tuple[int, Instruction, Instruction] | None:
-    """What compute `op` hands to another rank: (that rank, the send, the recv there). None
-    when nothing goes out, or the next stage is on the same rank (the executor hands it over)."""
-    stage, mb = place.stage(rank, op.chunk), op.microbatch
-    if op.kind is Kind.FORWARD and stage < place.num_stages - 1:
-        to, kinds = stage + 1, (Kind.SEND_FORWARD, Kind.RECV_FORWARD)
-    elif op.kind in INPUT_GRAD and stage > 0:
-        to, kinds = stage - 1, (Kind.SEND_BACKWARD, Kind.RECV_BACKWARD)
-    else:
-        return None
-    dst, dst_chunk = place.locate(to)
-    if dst == rank:
-        return None
-    return (dst, Instruction(kinds[0], op.chunk, mb, dst, dst_chunk),
-            Instruction(kinds[1], dst_chunk, mb, rank, op.chunk))
-
-
-def _emit(steps: list[list[Step]], rounds: list[list[int]], place: Placement) -> Table:
-    """Each rank's round-t step, then its round-t batch: the sends of what it
-    computed in round t and the recvs of what its neighbours did. Messages are
-    added in the sender's order on both ends, so channels stay in order."""
-    p = place.p
-    batches: list[dict[int, list[Instruction]]] = [{} for _ in range(p)]
-    for rank in range(p):
-        for step, t in zip(steps[rank], rounds[rank]):
-            for op in step:
-                if msg := _message(op, rank, place):
-                    dst, send, recv = msg
-                    batches[rank].setdefault(t, []).append(send)
-                    batches[dst].setdefault(t, []).append(recv)
-    table: Table = []
-    for rank in range(p):
-        computes = dict(zip(rounds[rank], steps[rank]))
-        table.append([
-            ins for t in sorted(computes.keys() | batches[rank].keys())
-            for ins in computes.get(t, []) + batches[rank].get(t, [])
-        ])
-    return table
