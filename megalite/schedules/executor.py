@@ -87,11 +87,6 @@ class _Run:
         self.backwards: Counter = Counter()  # by (B or W, chunk)
         self.losses: list[LossDict] = []
 
-    def _select(self, chunk: int) -> nn.Module:
-        if len(self.chunks) > 1:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
-        return self.chunks[chunk]
-
     def _local_previous(self, key: tuple[int, int]) -> tuple[int, int] | None:
         """(chunk, microbatch) of the previous stage when it is on this rank (V placement)."""
         stage = self.place.stage(self.rank, key[0])
@@ -101,7 +96,7 @@ class _Run:
         return (chunk, key[1]) if rank == self.rank else None
 
     def forward(self, key: tuple[int, int]) -> None:
-        chunk = self._select(key[0])
+        chunk = self.chunks[key[0]]
         stage = self.place.stage(self.rank, key[0])
         first, last = stage == 0, stage == self.place.num_stages - 1
         if (previous := self._local_previous(key)) is not None:
@@ -131,7 +126,7 @@ class _Run:
     def backward(self, key: tuple[int, int], kind: Kind) -> None:
         """BACKWARD (fused) or BACKWARD_INPUT (weight grads deferred) of one chunk and
         microbatch; the grad of its input goes back (or to the previous stage on this rank)."""
-        chunk = self._select(key[0])
+        chunk = self.chunks[key[0]]
         received = self.inputs.pop(key, None)
         output, grad = self.outputs.pop(key), self.output_grads.pop(key, None)
         split = kind is Kind.BACKWARD_INPUT
@@ -149,7 +144,7 @@ class _Run:
 
     def weight_grads(self, key: tuple[int, int]) -> None:
         """BACKWARD_WEIGHT: the weight grads that the BACKWARD_INPUT of `key` deferred."""
-        chunk = self._select(key[0])
+        chunk = self.chunks[key[0]]
         with self._sync_on_last(chunk, key, "W"):
             apply_weight_grads(self.weight_work.pop(key))
 
