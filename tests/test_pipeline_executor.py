@@ -5,7 +5,7 @@ import torch
 
 from megalite.schedules import SCHEDULE_KINDS, get_forward_backward_func
 from megalite.schedules.accounting import simulate
-from megalite.schedules.executor import free_output, rank_table
+from megalite.schedules.executor import free_output, observe_computes, rank_table
 from megalite.schedules.instructions import Kind
 from tests.reference import rel_err
 from tests.test_pipeline_parity import CONFIG, MICRO, SEQ, batch, forward_step, provider
@@ -54,3 +54,14 @@ def test_single_stage_accumulates_mean_grads_with_loss_scale():
         assert rel_err(grads[name], param.grad) < 1e-5, name
         assert rel_err(scaled[name], 8.0 * param.grad) < 1e-5, name
     assert len(losses) == m and log == [True] * (m - 1) + [False]
+
+
+def test_observers_see_every_compute_in_table_order():
+    seen = []
+    chunk = provider(CONFIG, pre_process=True, post_process=True)
+    with observe_computes(lambda ins, seconds: seen.append((ins.kind, ins.microbatch, seconds > 0))):
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batch(2).split(MICRO)), model=chunk,
+            num_microbatches=2, seq_length=SEQ, micro_batch_size=MICRO)
+    F, B = Kind.FORWARD, Kind.BACKWARD
+    assert seen == [(F, 0, True), (B, 0, True), (F, 1, True), (B, 1, True)]

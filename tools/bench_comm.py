@@ -13,14 +13,13 @@ On `--ranks` gloo CPU ranks (OMP_NUM_THREADS=1 each). Prints figures; asserts no
 - PP: send bytes summed over ranks in one pipeline step of m microbatches on PP = ranks,
   per microbatch per stage boundary, against b s h each way (2 b s h); interleaving has
   p v - 1 boundaries instead of p - 1.
-- Bubble: each rank times its compute (the forward step function, and every
-  torch.autograd.backward the executor calls, patched in for the step) between barriers;
-  bubble = (step time - compute) / compute, the mean over ranks, median over steps,
-  against (p-1)/m and (p-1)/(v m). Ranks share the machine's cores: with more ranks than
-  cores, computes slow down when more ranks are busy, which shrinks the measured bubble.
+- Bubble: each rank times its compute (every F and B the executor runs, reported by
+  megalite.schedules.executor.observe_computes) between barriers; bubble = (step time -
+  compute) / compute, the mean over ranks, median over steps, against (p-1)/m and
+  (p-1)/(v m). Ranks share the machine's cores: with more ranks than cores, computes slow
+  down when more ranks are busy, which shrinks the measured bubble.
 """
 import argparse
-import contextlib
 import itertools
 import os
 import statistics
@@ -42,6 +41,7 @@ from megalite.rank_pool import run_once  # noqa: E402
 from megalite.placement import ONE_F_ONE_B  # noqa: E402
 from megalite.schedules import get_forward_backward_func, resolve_schedule  # noqa: E402
 from megalite.schedules.accounting import schedule_bubble  # noqa: E402
+from megalite.schedules.executor import observe_computes  # noqa: E402
 from megalite.schedules.instructions import COMPUTE  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -74,22 +74,6 @@ def tp_bytes(args: dict, cases: list[tuple[str, str | None]]) -> dict:
     return counts
 
 
-@contextlib.contextmanager
-def _timed_backward(spans: list[float]):
-    """Record the duration of every torch.autograd.backward call inside the block."""
-    original = torch.autograd.backward
-
-    def backward(*a, **kw):
-        start = time.perf_counter()
-        original(*a, **kw)
-        spans.append(time.perf_counter() - start)
-    torch.autograd.backward = backward
-    try:
-        yield
-    finally:
-        torch.autograd.backward = original
-
-
 def pipeline(args: dict, cases: list[tuple[int, int]], steps: int) -> dict:
     """Per (v, m): this rank's send/recv bytes in the first step, and (step time, compute
     time) of each later step."""
@@ -105,10 +89,7 @@ def pipeline(args: dict, cases: list[tuple[int, int]], steps: int) -> dict:
 
         def forward_step(data_iterator, chunk):
             batch = next(data_iterator)
-            start = time.perf_counter()
-            output = chunk(batch[:, :-1], batch[:, 1:])
-            compute.append(time.perf_counter() - start)
-            return output, pretrain_gpt.loss_func
+            return chunk(batch[:, :-1], batch[:, 1:]), pretrain_gpt.loss_func
 
         def step():
             get_forward_backward_func()(
@@ -122,7 +103,8 @@ def pipeline(args: dict, cases: list[tuple[int, int]], steps: int) -> dict:
             compute.clear()
             dist.barrier()
             start = time.perf_counter()
-            with _timed_backward(compute), comm.count_bytes() as counted_step:
+            with observe_computes(lambda ins, seconds: compute.append(seconds)), \
+                    comm.count_bytes() as counted_step:
                 step()
             dist.barrier()
             if i == 0:

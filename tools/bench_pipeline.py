@@ -42,8 +42,10 @@ from megalite.models import GPTModel  # noqa: E402
 from megalite.models.stage import build_model_chunks, sync_shared_embedding  # noqa: E402
 from megalite.mpu import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megalite.placement import INTERLEAVED, ONE_F_ONE_B, ZB_H1, ZBV  # noqa: E402
-from megalite.schedules import SCHEDULE_KINDS, executor, get_forward_backward_func  # noqa: E402
+from megalite.schedules import SCHEDULE_KINDS, get_forward_backward_func  # noqa: E402
 from megalite.schedules.accounting import bubble_fraction, schedule_bubble  # noqa: E402
+from megalite.schedules.executor import observe_computes  # noqa: E402
+from megalite.schedules.instructions import Instruction, Kind  # noqa: E402
 
 P = 4
 LAYOUTS = {"loop, v=1": (None, False), "loop, v=2": (2, False), "V, v=2": (2, True)}
@@ -54,7 +56,8 @@ PEERS = {"Interleaved1F1B v=2": (ScheduleInterleaved1F1B, "loop, v=2"),
          "ZBVZeroBubble v=2": (ScheduleZBVZeroBubble, "V, v=2")}
 PEER_OF = {INTERLEAVED: "Interleaved1F1B v=2", ZB_H1: "InterleavedZeroBubble v=1",
            ZBV: "ZBVZeroBubble v=2"}  # the peer on the same split
-OUR_COMPUTE = {"forward": "F", "backward": "B", "weight_grads": "W"}  # executor._Run methods
+OUR_COMPUTE = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.BACKWARD_INPUT: "B",
+               Kind.BACKWARD_WEIGHT: "W"}  # the fused backward counts as B
 PEER_COMPUTE = {"forward_one_chunk": "F", "backward_one_chunk": "B",
                 "backward_weight_one_chunk": "W"}
 
@@ -78,12 +81,19 @@ def peer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class ComputeClock:
-    """Seconds spent in F, B and W on this rank, by wrapping the methods that run them
-    (megalite's executor and pipelining's stages)."""
+    """Seconds spent in F, B and W on this rank: megalite's executor reports its computes
+    (`observe`, for executor.observe_computes), pipelining's stage methods are wrapped."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
+
+    def observe(self, ins: Instruction, seconds: float) -> None:
+        self.add(OUR_COMPUTE[ins.kind], seconds)
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] += seconds
+        self.counts[kind] += 1
 
     def wrap(self, owner: object, methods: dict[str, str]) -> None:
         for name, kind in methods.items():
@@ -96,8 +106,7 @@ class ComputeClock:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds[kind] += time.perf_counter() - start
-                self.counts[kind] += 1
+                self.add(kind, time.perf_counter() - start)
         return timed
 
     def reset(self) -> None:
@@ -128,14 +137,14 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     tokens = torch.randint(0, args.vocab, (m * b, args.seq + 1),
                            generator=torch.Generator().manual_seed(args.seed))
     clock = ComputeClock()
-    clock.wrap(executor._Run, OUR_COMPUTE)
     steps, losses = {}, {}
 
     def our_step(name: str) -> None:
-        out = get_forward_backward_func(name)(
-            forward_step_func=pretrain_gpt.forward_step, model=chunks[OURS[name]],
-            data_iterator=({"tokens": t} for t in tokens.split(b)), num_microbatches=m,
-            seq_length=args.seq, micro_batch_size=b)
+        with observe_computes(clock.observe):
+            out = get_forward_backward_func(name)(
+                forward_step_func=pretrain_gpt.forward_step, model=chunks[OURS[name]],
+                data_iterator=({"tokens": t} for t in tokens.split(b)), num_microbatches=m,
+                seq_length=args.seq, micro_batch_size=b)
         losses[name] = torch.stack([d["lm loss"] for d in out]).mean().item()
 
     for name, layout in OURS.items():

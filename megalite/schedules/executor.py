@@ -7,6 +7,7 @@ executor rule in instructions.py, deadlock-free for every p >= 2). With p = 1 th
 table is F B F B ...: plain gradient accumulation. Split-backward schedules (zero bubble)
 run BACKWARD_INPUT inside `weight_grad.defer_weight_grads()`, keeping the queued
 weight-grad work by (chunk, microbatch) until its BACKWARD_WEIGHT applies it.
+`observe_computes` lets a benchmark time every compute.
 
 Megatron semantics: `forward_step_func(data_iterator, model_chunk)` returns
 `(output_tensor, loss_func)`; on the last stage `loss_func(output_tensor)` returns
@@ -18,6 +19,7 @@ the global batch (times the fp16 loss scale). Other stages send their output
 import contextlib
 import functools
 import itertools
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -148,6 +150,15 @@ class _Run:
         with self._sync_on_last(chunk, key, "W"):
             apply_weight_grads(self.weight_work.pop(key))
 
+    def compute(self, ins: Instruction) -> None:
+        key = (ins.chunk, ins.microbatch)
+        if ins.kind is Kind.FORWARD:
+            self.forward(key)
+        elif ins.kind is Kind.BACKWARD_WEIGHT:
+            self.weight_grads(key)
+        else:
+            self.backward(key, ins.kind)
+
     def communicate(self, batch: list[Instruction]) -> None:
         ops = []
         for ins in batch:
@@ -245,13 +256,10 @@ def forward_backward(*, schedule: ScheduleKind, forward_step_func: Callable,
                 run.communicate(list(group))
                 continue
             for ins in group:
-                key = (ins.chunk, ins.microbatch)
-                if ins.kind is Kind.FORWARD:
-                    run.forward(key)
-                elif ins.kind is Kind.BACKWARD_WEIGHT:
-                    run.weight_grads(key)
-                else:
-                    run.backward(key, ins.kind)
+                start = time.perf_counter()
+                run.compute(ins)
+                for observer in _observers:
+                    observer(ins, time.perf_counter() - start)
     return share_losses(run.losses, num_microbatches, param.device)
 
 
@@ -277,3 +285,17 @@ def get_forward_backward_func(pipeline_schedule: str = ONE_F_ONE_B
                          f"{'with' if v_shape else 'without'} V placement (initialize_model_"
                          f"parallel(..., v_shape_placement=True) is for {v_shaped}, and only it)")
     return functools.partial(forward_backward, schedule=kind)
+
+
+_observers: list[Callable[[Instruction, float], None]] = []
+
+
+@contextlib.contextmanager
+def observe_computes(observer: Callable[[Instruction, float], None]) -> Iterator[None]:
+    """Inside the block, call `observer(instruction, seconds)` after every compute (F, B, W)
+    that `forward_backward` runs on this rank: how benchmarks set compute against step time."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
