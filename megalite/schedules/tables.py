@@ -157,7 +157,7 @@ _KINDS = (
                  min_ranks=2, microbatches_multiple_of_p=True,
                  closed_bubble=lambda p, m, v: Fraction(p - 1, v * m), bubble_form="(p-1)/(v m)"),
     ScheduleKind(ZB_H1, zero_bubble_h1, split_backward=True, min_ranks=2,
-                 min_microbatches=lambda p: p,  # bubble (p-1)(F+B-W) / (m(F+B+W)):
+                 min_microbatches=lambda p: p,  # closed form: (p-1)(F+B-W) / (m(F+B+W))
                  closed_bubble=lambda p, m, v: Fraction(p - 1, 3 * m), bubble_form="(p-1)/(3m)"),
     ScheduleKind(ZBV, zero_bubble_v, min_chunks=2, max_chunks=2, v_shape=True,
                  split_backward=True, min_ranks=2),  # no closed form for every (p, m)
