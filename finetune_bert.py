@@ -41,7 +41,7 @@ from megalite.data.finetune import encode_pairs, load_tokenizer
 from megalite.data.finetune_sources import pad_to_multiple, read_examples
 from megalite.data.samplers import EpochSampler, PretrainingSampler, row_batches
 from megalite.hf.bert import bert_config, load_bert, read_bert_dir, save_bert_dir
-from megalite.layout import RunLayout
+from megalite.layout import RunLayout, global_batch_size
 from megalite.metrics import flops_per_iteration
 from megalite.models.bert import BertModel
 from megalite.models.sharding import (full_state_dict, gather_pipeline_state_dict,
@@ -138,10 +138,9 @@ class PairClassification(Task):
         tokenizer = load_tokenizer(self.model_dir)
         self.train_set, valid = (encode_pairs(tokenizer, examples, t.seq_length)
                                  for examples in read_examples(ft, t.seed))
-        dp = GridLayout.from_world(world_size, p.tensor_model_parallel_size,
-                                   p.pipeline_model_parallel_size,
-                                   vpp=p.virtual_pipeline_model_parallel_size).dp
-        global_batch = t.global_batch_size or t.micro_batch_size * dp
+        global_batch = global_batch_size(t, GridLayout.from_world(
+            world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+            vpp=p.virtual_pipeline_model_parallel_size).dp)
         self.steps_per_epoch = len(self.train_set["labels"]) // global_batch
         if self.steps_per_epoch == 0:
             raise ValueError(f"the training set has {len(self.train_set['labels'])} examples, "

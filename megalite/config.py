@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite.data.finetune import COLUMNS
-from megalite.placement import PIPELINE_SCHEDULES, ZBV
+from megalite.placement import INTERLEAVED, ONE_F_ONE_B, PIPELINE_SCHEDULES, ZB_H1, ZBV
 
 
 def arg(default, help: str, aliases: tuple[str, ...] = (), choices=None, **kw):
@@ -141,11 +140,12 @@ class ParallelConfig:
         None, "data-parallel size (default: world size / (TP x PP); checked if given)",
         aliases=("--dp",))
     virtual_pipeline_model_parallel_size: int | None = arg(
-        None, "model chunks per pipeline rank (interleaved 1F1B)", aliases=("--vpp",))
+        None, f"model chunks per pipeline rank (interleaved 1F1B; {ZBV}: 2 by default)",
+        aliases=("--vpp",))
     pipeline_schedule: str = arg(
-        "1f1b", "pipeline schedule when PP > 1 (with --vpp and 1f1b: interleaved; zb-h1 and zbv "
-        "split the backward into input and weight grads; zbv runs 2 chunks per rank in V "
-        "placement)", choices=PIPELINE_SCHEDULES)
+        ONE_F_ONE_B, f"pipeline schedule when PP > 1 (with --vpp and {ONE_F_ONE_B}: "
+        f"{INTERLEAVED}; {ZB_H1} and {ZBV} split the backward into input and weight grads; "
+        f"{ZBV} runs 2 chunks per rank in V placement)", choices=PIPELINE_SCHEDULES)
     distributed_timeout_minutes: float = arg(10.0, "bound on any collective wait")
     sequence_parallel: bool = arg(False, "split norms, dropout and residual activations along "
                                   "the sequence over TP (needs TP > 1)")
@@ -155,11 +155,6 @@ class ParallelConfig:
     expert_model_parallel_size: int = arg(
         1, "expert-parallel size: experts split over this many DP ranks (must divide DP)",
         aliases=("--ep",))
-
-    def __post_init__(self) -> None:
-        if self.pipeline_schedule == ZBV and self.virtual_pipeline_model_parallel_size is None \
-                and self.pipeline_model_parallel_size > 1:
-            self.virtual_pipeline_model_parallel_size = 2  # zbv's two chunks per rank
 
 
 @dataclass
@@ -252,6 +247,11 @@ class CheckpointConfig:
     load: str | None = arg(None, "checkpoint directory to resume from")
     save_interval: int | None = arg(None, "save every N steps and at the end (default with "
                                     "--save: a tenth of --train-iters, between 10 and 1000)")
+
+
+# --columns presets: (first sentence, second sentence, label) column names.
+COLUMNS = {"default": ("sentence1", "sentence2", "label"),
+           "mnli": ("premise", "hypothesis", "label")}
 
 
 @dataclass

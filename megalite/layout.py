@@ -11,12 +11,11 @@ and the entry scripts read it; layer constructors keep only cheap asserts.
 """
 from dataclasses import dataclass
 
-from megalite.config import Configs, ModelConfig, ParallelConfig
+from megalite.config import Configs, ModelConfig, ParallelConfig, TrainConfig
 from megalite.mpu.attention import check_attention_split
 from megalite.mpu.parallel_state import GridLayout
 from megalite.optimizer.scheduler import check_decay_iters
-from megalite.placement import GPIPE, INTERLEAVED, ZB_H1, ZBV
-from megalite.schedules import resolve_schedule_name as resolve_schedule
+from megalite.schedules import ScheduleKind, resolve_schedule, schedule_kind
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,7 @@ class RunLayout:
     """The checked sizes of one run (build with `from_configs`)."""
 
     grid: GridLayout
-    schedule: str              # the resolved pipeline schedule (1f1b when PP = 1)
+    schedule: ScheduleKind     # the resolved pipeline schedule (1F1B when PP = 1)
     micro_batch_size: int      # sequences per microbatch per DP rank
     global_batch_size: int     # sequences per step, all DP ranks
     num_microbatches: int      # per step per DP rank
@@ -61,13 +60,16 @@ class RunLayout:
         """The layout of `configs` on `world_size` ranks; ValueError (one line naming the
         flag) for the first rule it breaks."""
         p, m, t = configs.parallel, configs.model, configs.train
-        schedule = resolve_schedule(p.pipeline_schedule, p.pipeline_model_parallel_size,
-                                    p.virtual_pipeline_model_parallel_size)
-        _check_schedule_chunks(p, schedule)
-        grid = GridLayout.from_world(world_size, p.tensor_model_parallel_size,
-                                     p.pipeline_model_parallel_size, p.context_parallel_size,
-                                     p.expert_model_parallel_size,
-                                     p.virtual_pipeline_model_parallel_size, schedule == ZBV)
+        pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+        asked = schedule_kind(p.pipeline_schedule)
+        if pp > 1:  # (one stage: any schedule is plain accumulation; the grid checks --vpp)
+            if vpp is None and asked.min_chunks == asked.max_chunks > 1:
+                vpp = asked.min_chunks  # a fixed number of chunks per rank (zbv: 2) by default
+            asked.check_chunks(pp, vpp)
+        schedule = resolve_schedule(p.pipeline_schedule, pp, vpp)
+        grid = GridLayout.from_world(world_size, p.tensor_model_parallel_size, pp,
+                                     p.context_parallel_size, p.expert_model_parallel_size, vpp,
+                                     schedule.v_shape)
         if p.data_parallel_size is not None and p.data_parallel_size != grid.dp:
             raise ValueError(f"--dp {p.data_parallel_size} does not match world size "
                              f"{world_size} / (TP {grid.tp} x CP {grid.cp} x PP {grid.pp}) = "
@@ -77,17 +79,24 @@ class RunLayout:
             raise ValueError(f"--seq-length ({t.seq_length}) exceeds --max-position-embeddings "
                              f"({m.max_position_embeddings})")
         _check_model_split(m, p, grid)
-        global_batch = t.global_batch_size or t.micro_batch_size * grid.dp
-        if global_batch % (t.micro_batch_size * grid.dp):
-            raise ValueError(f"--global-batch-size ({global_batch}) must be divisible by "
-                             f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size "
-                             f"({grid.dp})")
+        global_batch = global_batch_size(t, grid.dp)
         microbatches = global_batch // (t.micro_batch_size * grid.dp)
-        _check_schedule_microbatches(schedule, grid.pp, microbatches)
+        schedule.check_microbatches(grid.pp, microbatches)
         o = configs.optimizer
         check_decay_iters(o.lr_decay_style, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters)
         return cls(grid, schedule, t.micro_batch_size, global_batch, microbatches, t.seq_length,
                    p.sequence_parallel)
+
+
+def global_batch_size(train: TrainConfig, data_parallel_size: int) -> int:
+    """Sequences per step: --global-batch-size (default micro batch x DP); ValueError unless a
+    multiple of micro batch x DP."""
+    micro, dp = train.micro_batch_size, data_parallel_size
+    global_batch = train.global_batch_size or micro * dp
+    if global_batch % (micro * dp):
+        raise ValueError(f"--global-batch-size ({global_batch}) must be divisible by "
+                         f"--micro-batch-size ({micro}) x data-parallel size ({dp})")
+    return global_batch
 
 
 def check_sequence_split(seq_length: int, tensor_model_parallel_size: int,
@@ -125,24 +134,3 @@ def _check_model_split(m: ModelConfig, p: ParallelConfig, grid: GridLayout) -> N
     if p.sequence_parallel or grid.cp > 1:
         raise ValueError("--num-experts: MoE layers run without --sequence-parallel and with "
                          "--context-parallel-size 1")
-
-
-def _check_schedule_chunks(p: ParallelConfig, schedule: str) -> None:
-    """Model chunks per rank that the asked schedule runs."""
-    name, vpp = p.pipeline_schedule, p.virtual_pipeline_model_parallel_size
-    if vpp and name in (GPIPE, ZB_H1):
-        raise ValueError(f"--pipeline-schedule {name} runs one model chunk per rank: drop --vpp "
-                         f"({vpp}) or choose interleaved or zbv")
-    if schedule == ZBV and vpp != 2:
-        raise ValueError(f"--pipeline-schedule zbv runs 2 model chunks per rank, got --vpp {vpp}")
-
-
-def _check_schedule_microbatches(schedule: str, pp: int, microbatches: int) -> None:
-    """Microbatches per step that the resolved schedule needs."""
-    source = "--global-batch-size / (--micro-batch-size x DP)"
-    if schedule == INTERLEAVED and microbatches % pp:
-        raise ValueError(f"interleaved schedule: microbatches per step ({microbatches} = "
-                         f"{source}) must be a multiple of --pp ({pp})")
-    if schedule == ZB_H1 and microbatches < pp:
-        raise ValueError(f"--pipeline-schedule zb-h1: microbatches per step ({microbatches} = "
-                         f"{source}) must be >= --pp ({pp})")

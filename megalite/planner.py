@@ -25,7 +25,7 @@ from megalite.models.spec import TransformerSpec
 from megalite.models.stage import pipeline_layer_range
 from megalite.mpu.layers import pad_vocab_size
 from megalite.placement import GPIPE, INTERLEAVED, ZBV
-from megalite.schedules import SCHEDULE_KINDS, ScheduleKind
+from megalite.schedules import ScheduleKind
 from megalite.schedules.accounting import schedule_bubble
 
 # Megatron's bytes per parameter: (parameters, gradients, optimizer states); the distributed
@@ -191,20 +191,32 @@ class Plan:
     """Everything `plan` derives from one set of configs; stages are "first" and "last"."""
 
     configs: Configs
+    layout: RunLayout
     precision: str
     sequence_parallel: bool
-    schedule: ScheduleKind      # the schedule the layout runs (resolve_schedule)
     padded_vocab: int
-    dp: int
-    microbatches: int           # per step per DP rank
-    global_batch: int
     stages: dict[str, StageMemory]
 
     @property
+    def schedule(self) -> ScheduleKind:
+        return self.layout.schedule
+
+    @property
+    def dp(self) -> int:
+        return self.layout.data_parallel_size
+
+    @property
+    def microbatches(self) -> int:
+        """Per step per DP rank."""
+        return self.layout.num_microbatches
+
+    @property
+    def global_batch(self) -> int:
+        return self.layout.global_batch_size
+
+    @property
     def gpus(self) -> int:
-        p = self.configs.parallel
-        return (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * self.dp
-                * p.context_parallel_size)
+        return self.layout.world_size
 
     @property
     def total_params(self) -> int:
@@ -221,9 +233,8 @@ class Plan:
 
     @property
     def bubble(self) -> Fraction:
-        p = self.configs.parallel
-        return schedule_bubble(self.schedule, p.pipeline_model_parallel_size, self.microbatches,
-                               p.virtual_pipeline_model_parallel_size or 1)
+        return schedule_bubble(self.schedule, self.layout.grid.pp, self.microbatches,
+                               self.layout.chunks_per_rank)
 
     def step_time(self, peak_tflops: float, mfu: float) -> float:
         """Seconds per step if every GPU sustains `mfu` of `peak_tflops` on `flops`."""
@@ -246,7 +257,7 @@ class Plan:
         """
         model, t, par = self.configs.model, self.configs.train, self.configs.parallel
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-        v, cp = par.virtual_pipeline_model_parallel_size or 1, par.context_parallel_size
+        v, cp = self.layout.chunks_per_rank, par.context_parallel_size
         first, last = stage == "first" or pp == 1, stage == "last" or pp == 1
         e, (_, grad_bytes, _) = ACTIVATION_BYTES[self.precision], STATE_BYTES[self.precision]
         sb = t.seq_length // cp * t.micro_batch_size
@@ -342,11 +353,10 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
         sequence_parallel = configs.parallel.sequence_parallel
     par = configs.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    v = par.virtual_pipeline_model_parallel_size or 1
     dp = par.data_parallel_size or 1
     cp = par.context_parallel_size
     layout = RunLayout.from_configs(configs, tp * pp * dp * cp)
-    m, schedule = layout.num_microbatches, SCHEDULE_KINDS[layout.schedule]
+    m, schedule, v = layout.num_microbatches, layout.schedule, layout.chunks_per_rank
     precision = precision_name(configs)
     e = ACTIVATION_BYTES[precision]
     padded_vocab = pad_vocab_size(configs.model.vocab_size,
@@ -368,5 +378,4 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
                                    extras / cp, working / cp,
                                    stage_expert_params(configs.model, tp, pp, rank, v, ep),
                                    expert_state)
-    return Plan(configs, precision, sequence_parallel, schedule, padded_vocab, dp, m,
-                layout.global_batch_size, stages)
+    return Plan(configs, layout, precision, sequence_parallel, padded_vocab, stages)

@@ -49,7 +49,7 @@ def log_pipeline(configs: Configs, shape: RunLayout) -> None:
     pp, m = shape.grid.pp, shape.num_microbatches
     if pp == 1:
         return
-    log(pipeline_summary(shape.schedule, pp, m, shape.chunks_per_rank))
+    log(pipeline_summary(shape.schedule.name, pp, m, shape.chunks_per_rank))
     if m < pp:
         need = configs.train.micro_batch_size * shape.data_parallel_size * pp
         log(f"WARNING: {m} microbatch(es) per step through {pp} pipeline stages: ranks idle "
@@ -85,7 +85,7 @@ def run_schedule(forward_step_func: Callable, data_iterator: Iterator, model: li
                  configs: Configs, shape: RunLayout, forward_only: bool,
                  loss_scale: float = 1.0) -> list[dict]:
     """All microbatches of one step through the grid's pipeline schedule; per-microbatch losses."""
-    return get_forward_backward_func(shape.schedule)(
+    return get_forward_backward_func(shape.schedule.name)(
         forward_step_func=forward_step_func, data_iterator=data_iterator,
         model=model if len(model) > 1 else model[0], num_microbatches=shape.num_microbatches,
         seq_length=configs.train.seq_length, micro_batch_size=configs.train.micro_batch_size,

@@ -5,7 +5,8 @@ import shutil
 
 import pytest
 
-from megalite.data.finetune import COLUMNS, PairDataset, load_tokenizer, read_pairs
+from megalite.config import COLUMNS
+from megalite.data.finetune import PairDataset, load_tokenizer, read_pairs
 from megalite.data.finetune_builtin import builtin_pair_task
 from megalite.hf.bert import read_bert_dir
 from tests.test_bert_hf_parity import minilm_dir

@@ -5,12 +5,11 @@ module (megalite.config, megalite.training, ...). Every import statement counts,
 functions included: an import deferred into a function to dodge a cycle is still a cycle.
 The configuration and the parallel layers sit below the schedules, the models and the
 training loop (megalite/config.py and megalite/mpu/ import none of them), and the units
-import one another without a cycle (but those in KNOWN, a strict xfail until they are gone).
+import one another without a cycle.
 """
 import ast
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "megalite"
 LOW = ["config.py", "mpu"]  # below the units in HIGH
@@ -90,24 +89,10 @@ def test_config_and_mpu_import_no_schedules_models_or_training():
     assert not bad, sorted(bad)
 
 
-# Known cycles, outside the schedules' area: (importer, imported) -> where. Each edge is left
-# out of the acyclic check below, and the xfail test fails (strictly) once it is gone.
-KNOWN = {("megalite.data", "megalite.config"):
-         "megalite/data/finetune_sources.py imports megalite.config (FinetuneConfig) while "
-         "megalite/config.py imports megalite.data.finetune (COLUMNS)"}
-
-
-def test_megalite_units_import_one_another_without_a_new_cycle():
+def test_megalite_units_import_one_another_without_a_cycle():
     graph = unit_graph()
     assert {"megalite.mpu", "megalite.schedules", "megalite.training"} <= graph.keys()
-    for src, dst in KNOWN:
-        graph[src].discard(dst)
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
-
-
-@pytest.mark.xfail(strict=True, reason="cycle config <-> data: " + "; ".join(KNOWN.values()))
-def test_megalite_units_import_one_another_without_a_cycle():
-    assert find_cycle(unit_graph()) is None, " -> ".join(find_cycle(unit_graph()))
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -76,8 +76,7 @@ def _size(n: float) -> str:
 def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
     """The plan as text."""
     c, par = p.configs, p.configs.parallel
-    tp, pp, v = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                 par.virtual_pipeline_model_parallel_size or 1)
+    tp, pp, v = p.layout.grid.tp, p.layout.grid.pp, p.layout.chunks_per_rank
     m, t = c.model, c.train
     lines = [
         f"GPT {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, ffn "

@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from megalite.config import FinetuneConfig
-from megalite.data.finetune import COLUMNS, PairExamples, read_pairs
+from megalite.config import COLUMNS, FinetuneConfig
+from megalite.data.finetune import PairExamples, read_pairs
 from megalite.data.finetune_builtin import builtin_pair_task
 
 

@@ -169,23 +169,19 @@ def resolve_schedule(pipeline_schedule: str, pp: int, vpp: int | None) -> Schedu
     """The schedule a grid of `pp` pipeline ranks with `vpp` chunks each runs for
     --pipeline-schedule `pipeline_schedule`: 1F1B (plain accumulation) when pp = 1,
     interleaved when chunks are asked for with a one-chunk schedule, else the one named."""
-    kind = _named("pipeline_schedule", pipeline_schedule)
+    kind = schedule_kind(pipeline_schedule)
     if pp == 1:
         return SCHEDULE_KINDS[ONE_F_ONE_B]  # with p = 1: F B F B ..., no communication
     return SCHEDULE_KINDS[INTERLEAVED] if vpp and kind.max_chunks == 1 else kind
 
 
-def resolve_schedule_name(pipeline_schedule: str, pp: int, vpp: int | None) -> str:
-    """`resolve_schedule(...).name`, for megalite.layout until RunLayout holds the record."""
-    return resolve_schedule(pipeline_schedule, pp, vpp).name
-
-
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Table:
     """The table of schedule `name` (a SCHEDULE_KINDS key): p ranks, m microbatches, v chunks."""
-    return _named("name", name).builder(p, m, v)
+    return schedule_kind(name, "name").builder(p, m, v)
 
 
-def _named(arg: str, name: str) -> ScheduleKind:
+def schedule_kind(name: str, arg: str = "pipeline_schedule") -> ScheduleKind:
+    """The record of schedule `name`; ValueError naming `arg` for an unknown name."""
     _require(arg, name, name in SCHEDULE_KINDS, f"one of {', '.join(PIPELINE_SCHEDULES)}")
     return SCHEDULE_KINDS[name]
 
