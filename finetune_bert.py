@@ -193,16 +193,16 @@ class PairClassification(Task):
         output = model(batch["input_ids"], batch["attention_mask"], batch["tokentype_ids"])
         return output, functools.partial(loss_func, batch["labels"])
 
-    def batches(self, configs: Configs, shape: RunLayout, consumed: int):
+    def batches(self, configs: Configs, layout: RunLayout, consumed: int):
         t = configs.train
         sampler = EpochSampler(len(self.train_set["labels"]),
-                               self.steps_per_epoch * shape.global_batch_size, consumed,
+                               self.steps_per_epoch * layout.global_batch_size, consumed,
                                t.micro_batch_size, ps.get_data_parallel_rank(),
                                ps.get_data_parallel_world_size(), t.seed)
         return row_batches(self.train_set, sampler), None
 
-    def flops(self, configs: Configs, shape: RunLayout) -> float:
-        return flops_per_iteration(configs.model, shape.global_batch_size,
+    def flops(self, configs: Configs, layout: RunLayout) -> float:
+        return flops_per_iteration(configs.model, layout.global_batch_size,
                                    configs.train.seq_length, 0)
 
     def count_correct(self, run: Run) -> tuple[int, int]:
@@ -211,8 +211,8 @@ class PairClassification(Task):
         batches = row_batches(self.valid_set, PretrainingSampler(
             n, 0, t.micro_batch_size, ps.get_data_parallel_rank(),
             ps.get_data_parallel_world_size()))
-        sums = evaluate(self.forward_step, batches, run.model, run.configs, run.shape,
-                        iters=n // run.shape.global_batch_size)
+        sums = evaluate(self.forward_step, batches, run.model, run.configs, run.layout,
+                        iters=n // run.layout.global_batch_size)
         return round(sums["correct"]), round(sums["total"])
 
     def start(self, run: Run) -> None:

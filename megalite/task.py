@@ -41,14 +41,14 @@ class Task:
         """One microbatch: (output, loss_func); loss_func(output) -> (loss, {name: value})."""
         raise NotImplementedError
 
-    def batches(self, configs: Configs, shape: RunLayout, consumed: int
+    def batches(self, configs: Configs, layout: RunLayout, consumed: int
                 ) -> tuple[Iterator, Iterator | None]:
         """(train, valid) iterators of this DP rank's microbatches, train starting after
         `consumed` samples; the loop logs the mean `loss_key` over --eval-iters valid steps
         at every validation point (none: valid is None)."""
         raise NotImplementedError
 
-    def flops(self, configs: Configs, shape: RunLayout) -> float | None:
+    def flops(self, configs: Configs, layout: RunLayout) -> float | None:
         """Model FLOPs of one iteration for the throughput log (None: a language model's)."""
         return None
 
@@ -75,7 +75,7 @@ class Run:
     """A run in progress, as the loop keeps it and the task's hooks see it."""
 
     configs: Configs
-    shape: RunLayout
+    layout: RunLayout
     task: Task
     model: list[torch.nn.Module]
     optimizer: Any

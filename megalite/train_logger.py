@@ -7,6 +7,7 @@ from torch import nn
 
 from megalite import device
 from megalite.config import Configs
+from megalite.layout import RunLayout
 from megalite.log_writers import ScalarWriters
 from megalite.metrics import flops_per_iteration, peak_memory_mb
 from megalite.models.transformer_stage import moe_states
@@ -30,13 +31,13 @@ class TrainingLogger:
     MoE models add the last step's routing stats, read from this rank's `model` chunks.
     """
 
-    def __init__(self, configs: Configs, shape, model: list[nn.Module],
+    def __init__(self, configs: Configs, layout: RunLayout, model: list[nn.Module],
                  loss_key: str = "lm loss", flops: float | None = None) -> None:
-        self.configs, self.shape, self.model, self.loss_key = configs, shape, model, loss_key
+        self.configs, self.layout, self.model, self.loss_key = configs, layout, model, loss_key
         padded = pad_vocab_size(configs.model.vocab_size, configs.model.make_vocab_size_divisible_by,
                                 configs.parallel.tensor_model_parallel_size)
         self.flops = flops if flops is not None else flops_per_iteration(
-            configs.model, shape.global_batch_size, configs.train.seq_length, padded)
+            configs.model, layout.global_batch_size, configs.train.seq_length, padded)
         self.losses: list[float] = []
         self.grad_norm: float | None = None  # of the last step (None: not computed)
         self.skipped = self.steps = 0
@@ -65,7 +66,7 @@ class TrainingLogger:
             "grad norm": math.nan if self.grad_norm is None else self.grad_norm,
             "loss scale": loss_scale, "skipped steps": self.skipped,
             "ms per iteration": 1000 * elapsed,
-            "tokens per second": self.shape.global_batch_size * t.seq_length / elapsed,
+            "tokens per second": self.layout.global_batch_size * t.seq_length / elapsed,
             "TFLOP/s per device": self.flops / elapsed / dist.get_world_size() / 1e12,
             "peak memory MB": peak_memory_mb(device.current_device()),
             **moe_stats}
@@ -90,7 +91,7 @@ class TrainingLogger:
         if not m.num_experts:
             return {}
         return reduce_step_stats(moe_states(self.model), m.num_layers, m.num_experts,
-                                 self.shape.num_microbatches, device.current_device(),
+                                 self.layout.num_microbatches, device.current_device(),
                                  ps.get_pipeline_model_parallel_group(),
                                  ps.get_data_parallel_group(with_context_parallel=True))
 

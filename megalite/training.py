@@ -43,25 +43,25 @@ class TrainResult:
     losses: dict[int, float]
 
 
-def log_pipeline(configs: Configs, shape: RunLayout) -> None:
+def log_pipeline(configs: Configs, layout: RunLayout) -> None:
     """Log what the pipeline costs: schedule, p, v, m, bubble and peak in-flight microbatches
     per rank (from the schedule's table), and a warning when m < p."""
-    pp, m = shape.grid.pp, shape.num_microbatches
+    pp, m = layout.grid.pp, layout.num_microbatches
     if pp == 1:
         return
-    log(pipeline_summary(shape.schedule.name, pp, m, shape.chunks_per_rank))
+    log(pipeline_summary(layout.schedule.name, pp, m, layout.chunks_per_rank))
     if m < pp:
-        need = configs.train.micro_batch_size * shape.data_parallel_size * pp
+        need = configs.train.micro_batch_size * layout.data_parallel_size * pp
         log(f"WARNING: {m} microbatch(es) per step through {pp} pipeline stages: ranks idle "
             f"most of the step; raise --global-batch-size to at least {need} (micro batch x DP "
             f"x PP), better 4x that")
 
 
-def setup_parallel(configs: Configs, shape: RunLayout) -> None:
+def setup_parallel(configs: Configs, layout: RunLayout) -> None:
     """Join the job, build the process grid of the layout and seed the RNG streams."""
     timeout_s = configs.parallel.distributed_timeout_minutes * 60
     device.init_distributed(timeout_s=timeout_s)
-    initialize_model_parallel(grid=shape.grid, timeout_s=timeout_s)
+    initialize_model_parallel(grid=layout.grid, timeout_s=timeout_s)
     model_parallel_seed(configs.train.seed, ps.get_tensor_model_parallel_rank(),
                         ps.get_pipeline_model_parallel_rank())
 
@@ -82,18 +82,18 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
 
 
 def run_schedule(forward_step_func: Callable, data_iterator: Iterator, model: list,
-                 configs: Configs, shape: RunLayout, forward_only: bool,
+                 configs: Configs, layout: RunLayout, forward_only: bool,
                  loss_scale: float = 1.0) -> list[dict]:
     """All microbatches of one step through the grid's pipeline schedule; per-microbatch losses."""
-    return get_forward_backward_func(shape.schedule.name)(
+    return get_forward_backward_func(layout.schedule.name)(
         forward_step_func=forward_step_func, data_iterator=data_iterator,
-        model=model if len(model) > 1 else model[0], num_microbatches=shape.num_microbatches,
+        model=model if len(model) > 1 else model[0], num_microbatches=layout.num_microbatches,
         seq_length=configs.train.seq_length, micro_batch_size=configs.train.micro_batch_size,
         forward_only=forward_only, loss_scale=loss_scale)
 
 
 def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list, optimizer,
-               configs: Configs, shape: RunLayout, loss_key: str = "lm loss"
+               configs: Configs, layout: RunLayout, loss_key: str = "lm loss"
                ) -> tuple[float, bool, float | None]:
     """One optimizer step over all microbatches: (mean `loss_key` value on every rank, stepped,
     grad norm). The loss is the same on every rank (shared over PP, averaged over DP), so a
@@ -101,7 +101,7 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = run_schedule(forward_step_func, data_iterator, model, configs, shape,
+    losses = run_schedule(forward_step_func, data_iterator, model, configs, layout,
                           forward_only=False, loss_scale=optimizer.loss_scale)
     finalize_model_grads(model)
     loss = _mean_over_data_parallel(losses, loss_key)
@@ -131,7 +131,7 @@ def _sum_over_data_parallel(losses: list[dict]) -> dict[str, float]:
 
 @torch.no_grad()
 def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list,
-             configs: Configs, shape: RunLayout, iters: int | None = None) -> dict[str, float]:
+             configs: Configs, layout: RunLayout, iters: int | None = None) -> dict[str, float]:
     """Every loss-dict value summed over `iters` (default --eval-iters) forward-only steps,
     their microbatches and the DP group: divide by iters x microbatches x DP for a mean, or
     return counts (e.g. correct predictions) to sum them exactly."""
@@ -139,7 +139,7 @@ def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list,
         chunk.eval()
     totals: dict[str, float] = {}
     for _ in range(configs.train.eval_iters if iters is None else iters):
-        losses = run_schedule(forward_step_func, data_iterator, model, configs, shape,
+        losses = run_schedule(forward_step_func, data_iterator, model, configs, layout,
                               forward_only=True)
         for key, value in _sum_over_data_parallel(losses).items():
             totals[key] = totals.get(key, 0.0) + value
@@ -153,7 +153,7 @@ def default_save_interval(train_iters: int) -> int:
     return max(10, min(1000, train_iters // 10))
 
 
-def check_before_start(configs: Configs, shape: RunLayout) -> None:
+def check_before_start(configs: Configs, layout: RunLayout) -> None:
     """Checks that need files but no process group: --save/--load directories, the load's
     metadata and files (every rank sees the same files, so every rank reports the same
     line), the optional log sinks and the fault-injection hook. Raises ValueError."""
@@ -167,7 +167,7 @@ def check_before_start(configs: Configs, shape: RunLayout) -> None:
     if ckpt.load and (meta := checkpointing.read_meta(ckpt.load)):
         checkpointing.check_compatible(meta, m, ckpt.load,
                                        configs.precision.params_dtype)
-        checkpointing.verify_checkpoint(ckpt.load, meta, shape.grid.as_dict(), shape.world_size,
+        checkpointing.verify_checkpoint(ckpt.load, meta, layout.grid.as_dict(), layout.world_size,
                                         optimizer_settings(configs.optimizer))
         start = meta["iteration"]
     saved = checkpointing.latest_iteration(ckpt.save) if ckpt.save else None
@@ -209,11 +209,11 @@ class PretrainTask(Task):
     def forward_step(self, data_iterator: Iterator, model: torch.nn.Module):
         return self._forward_step(data_iterator, model)
 
-    def batches(self, configs: Configs, shape: RunLayout, consumed: int):
+    def batches(self, configs: Configs, layout: RunLayout, consumed: int):
         t = configs.train
         evals = t.train_iters // t.eval_interval + 1 if t.eval_interval else 0
-        num_samples = (t.train_iters * shape.global_batch_size,
-                       evals * t.eval_iters * shape.global_batch_size, 0)
+        num_samples = (t.train_iters * layout.global_batch_size,
+                       evals * t.eval_iters * layout.global_batch_size, 0)
         return self._datasets_provider(configs, num_samples, consumed)
 
 
@@ -246,11 +246,11 @@ def train(configs: Configs, task: Task) -> TrainResult:
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     try:
         task.check_inputs(configs, world)
-        shape = RunLayout.from_configs(configs, world)
-        check_before_start(configs, shape)
+        layout = RunLayout.from_configs(configs, world)
+        check_before_start(configs, layout)
     except (ValueError, OSError) as error:
         _fail(error)
-    setup_parallel(configs, shape)
+    setup_parallel(configs, layout)
     ckpt = configs.checkpoint
     try:
         task.prepare(configs)
@@ -271,15 +271,15 @@ def train(configs: Configs, task: Task) -> TrainResult:
         warning = device.reduced_precision_warning(configs.precision.params_dtype)
         if warning:
             log(warning)
-    train_batches, valid_batches = task.batches(configs, shape, consumed)
+    train_batches, valid_batches = task.batches(configs, layout, consumed)
     n_params = sum(p.numel() for c in model for p in c.parameters())
     log(f"model: {configs.model.num_layers} layers, hidden {configs.model.hidden_size}, "
-        f"{n_params:,} parameters on rank 0 | {shape.describe()} | global batch "
-        f"{shape.global_batch_size} = {shape.num_microbatches} microbatches x "
+        f"{n_params:,} parameters on rank 0 | {layout.describe()} | global batch "
+        f"{layout.global_batch_size} = {layout.num_microbatches} microbatches x "
         f"{configs.train.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
-    log_pipeline(configs, shape)
-    logger = TrainingLogger(configs, shape, model, task.loss_key, task.flops(configs, shape))
-    run = Run(configs, shape, task, model, optimizer, scheduler, logger, valid_batches,
+    log_pipeline(configs, layout)
+    logger = TrainingLogger(configs, layout, model, task.loss_key, task.flops(configs, layout))
+    run = Run(configs, layout, task, model, optimizer, scheduler, logger, valid_batches,
               iteration, consumed)
     try:
         task.start(run)
@@ -295,18 +295,18 @@ def _validate(run: Run) -> None:
     """The mean validation `loss_key` over --eval-iters steps (when the task has validation
     batches), then the task's own validation."""
     if run.valid_batches is not None:
-        t, shape, task = run.configs.train, run.shape, run.task
+        t, layout, task = run.configs.train, run.layout, run.task
         total = evaluate(task.forward_step, run.valid_batches, run.model, run.configs,
-                         shape)[task.loss_key]
+                         layout)[task.loss_key]
         run.logger.validation(run.iteration, total / (
-            t.eval_iters * shape.num_microbatches * shape.data_parallel_size))
+            t.eval_iters * layout.num_microbatches * layout.data_parallel_size))
     run.task.validate(run)
 
 
 def _train_loop(run: Run, train_batches: Iterator) -> None:
     """Steps from run.iteration to --train-iters (or an exit): validate every --eval-interval
     steps, save every --save-interval applied steps, at an exit and at the end."""
-    configs, shape, task = run.configs, run.shape, run.task
+    configs, layout, task = run.configs, run.layout, run.task
     t, ckpt = configs.train, configs.checkpoint
     save_interval = ckpt.save_interval or default_save_interval(t.train_iters)
     guard, save_due = SkipGuard(t.max_skipped_steps), False
@@ -314,11 +314,11 @@ def _train_loop(run: Run, train_batches: Iterator) -> None:
         while run.iteration < t.train_iters:
             loss, stepped, grad_norm = train_step(
                 inject_faults(task.forward_step, run.iteration + 1), train_batches, run.model,
-                run.optimizer, configs, shape, task.loss_key)
+                run.optimizer, configs, layout, task.loss_key)
             run.iteration += 1
             iteration = run.iteration
             run.losses[iteration] = loss
-            run.consumed += shape.global_batch_size
+            run.consumed += layout.global_batch_size
             if stepped:  # a skipped (overflowing / non-finite) step does not advance the schedule
                 run.scheduler.step()
             run.logger.step(iteration, loss, stepped, grad_norm, run.scheduler.get_lr(),

@@ -54,8 +54,8 @@ def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
                              "--lr-decay-style", "constant", "--train-iters", "10"])
     configs.model = moe_config(hf.config)
     configs.model.max_position_embeddings = 32
-    shape = RunLayout.from_configs(configs, torch.distributed.get_world_size())
-    setup_parallel(configs, shape)
+    layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
+    setup_parallel(configs, layout)
     model = build_model(configs, lambda pre_process, post_process: GPTModel(
         configs.model, pre_process=pre_process, post_process=post_process))
     load_full_state_dict(model, moe_to_megalite(hf.state_dict(), configs.model))
@@ -69,7 +69,7 @@ def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
     # step 1 by hand, to compare the grads before the update
     for chunk in model:
         chunk.zero_grad_buffer()
-    losses = run_schedule(_forward_step, batches(), model, configs, shape, forward_only=False)
+    losses = run_schedule(_forward_step, batches(), model, configs, layout, forward_only=False)
     finalize_model_grads(model)
     ref_loss = hf_token_loss(hf, tokens)
     ref_loss.backward()
@@ -92,7 +92,7 @@ def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
         ref_loss = hf_token_loss(hf, tokens)
         ref_loss.backward()
         ref_opt.step()
-        loss, _, _ = train_step(_forward_step, batches(), model, optimizer, configs, shape)
+        loss, _, _ = train_step(_forward_step, batches(), model, optimizer, configs, layout)
         errors["steps"].append(rel_err(torch.tensor(loss), ref_loss.detach()))
     return errors
 

@@ -166,11 +166,11 @@ class MegaliteRunner:
         self.model = [DistributedDataParallel(model, bucket_size=opt.ddp_bucket_size,
                                               overlap_grad_reduce=opt.overlap_grad_reduce)]
         self.optimizer, self.scheduler = get_optimizer(opt, prec, self.model, 10 ** 6)
-        self.shape = RunLayout.from_configs(self.configs, 1)
+        self.layout = RunLayout.from_configs(self.configs, 1)
 
     def step(self, tokens: torch.Tensor) -> float:
         loss, stepped, _ = train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]),
-                                      self.model, self.optimizer, self.configs, self.shape)
+                                      self.model, self.optimizer, self.configs, self.layout)
         if stepped:
             self.scheduler.step()
         return loss

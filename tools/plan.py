@@ -192,8 +192,8 @@ def measure_rank(argv: list[str]) -> dict:
     from megalite.mpu import parallel_state as ps
     from megalite.optimizer import get_optimizer
     configs, _ = parse(argv)
-    shape = RunLayout.from_configs(configs, torch.distributed.get_world_size())
-    training.setup_parallel(configs, shape)
+    layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
+    training.setup_parallel(configs, layout)
     model = training.build_model(configs, functools.partial(pretrain_gpt.model_provider, configs))
     optimizer, _ = get_optimizer(configs.optimizer, configs.precision, model, 10)
     t = configs.train
@@ -202,7 +202,7 @@ def measure_rank(argv: list[str]) -> dict:
                                                  (t.micro_batch_size, t.seq_length + 1),
                                                  generator=generator)}, None)
     step = functools.partial(training.train_step, pretrain_gpt.forward_step, data, model,
-                             optimizer, configs, shape)
+                             optimizer, configs, layout)
     step()  # allocates the optimizer state
     saved = LiveSavedBytes([q for chunk in model for q in chunk.parameters()])
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
