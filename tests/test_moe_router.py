@@ -105,7 +105,7 @@ def _aux_grads_in_and_after_a_step(loss_scale: float, coeff: float) -> dict:
     """Two executor steps of 3 microbatches whose main loss is 0 x output (the router grad is
     the aux losses' alone), then a plain backward; router grads vs the reference aux loss."""
     from megalite.mpu import initialize_model_parallel
-    from megalite.schedules.executor import forward_backward
+    from megalite.schedules import get_forward_backward_func
     initialize_model_parallel(1, 1)
     torch.manual_seed(0)
     chunk = _MoEChunk(16, coeff)
@@ -122,9 +122,9 @@ def _aux_grads_in_and_after_a_step(loss_scale: float, coeff: float) -> dict:
     out = {"in step": [], "tokens": []}
     for _ in range(2):
         chunk.zero_grad()
-        forward_backward(schedule="1f1b", forward_step_func=step_func, data_iterator=iter(xs),
-                         model=chunk, num_microbatches=3, seq_length=5, micro_batch_size=2,
-                         loss_scale=loss_scale)
+        get_forward_backward_func()(forward_step_func=step_func, data_iterator=iter(xs),
+                                    model=chunk, num_microbatches=3, seq_length=5,
+                                    micro_batch_size=2, loss_scale=loss_scale)
         want = loss_scale / 3 * coeff * sum(reference_aux_grad(x) for x in xs)
         out["in step"].append(rel_err(chunk.moe.router.weight.grad, want))
         out["tokens"].append(chunk.moe_state.rows[0][3:].sum().item())
