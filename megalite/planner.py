@@ -25,7 +25,6 @@ from megalite.models.spec import TransformerSpec
 from megalite.models.stage import pipeline_layer_range
 from megalite.mpu.layers import pad_vocab_size
 from megalite.placement import GPIPE, INTERLEAVED, ZBV
-from megalite.schedules import ScheduleKind
 from megalite.schedules.accounting import schedule_bubble
 
 # Megatron's bytes per parameter: (parameters, gradients, optimizer states); the distributed
@@ -198,27 +197,6 @@ class Plan:
     stages: dict[str, StageMemory]
 
     @property
-    def schedule(self) -> ScheduleKind:
-        return self.layout.schedule
-
-    @property
-    def dp(self) -> int:
-        return self.layout.data_parallel_size
-
-    @property
-    def microbatches(self) -> int:
-        """Per step per DP rank."""
-        return self.layout.num_microbatches
-
-    @property
-    def global_batch(self) -> int:
-        return self.layout.global_batch_size
-
-    @property
-    def gpus(self) -> int:
-        return self.layout.world_size
-
-    @property
     def total_params(self) -> int:
         model = self.configs.model
         spec = TransformerSpec.from_config(model)
@@ -228,17 +206,17 @@ class Plan:
     @property
     def flops(self) -> float:
         """Megatron's FLOPs per step (megalite.metrics; the 96 form with full recompute)."""
-        return flops_per_iteration(self.configs.model, self.global_batch,
+        return flops_per_iteration(self.configs.model, self.layout.global_batch_size,
                                    self.configs.train.seq_length, self.padded_vocab)
 
     @property
     def bubble(self) -> Fraction:
-        return schedule_bubble(self.schedule, self.layout.grid.pp, self.microbatches,
+        return schedule_bubble(self.layout.schedule, self.layout.grid.pp, self.layout.num_microbatches,
                                self.layout.chunks_per_rank)
 
     def step_time(self, peak_tflops: float, mfu: float) -> float:
         """Seconds per step if every GPU sustains `mfu` of `peak_tflops` on `flops`."""
-        return self.flops / (self.gpus * peak_tflops * 1e12 * mfu)
+        return self.flops / (self.layout.world_size * peak_tflops * 1e12 * mfu)
 
     def comm(self, stage: str) -> dict[str, tuple[str, float, int]]:
         """Per step on one rank of `stage`: name -> (collective kind, payload bytes, group size).
@@ -261,7 +239,7 @@ class Plan:
         first, last = stage == "first" or pp == 1, stage == "last" or pp == 1
         e, (_, grad_bytes, _) = ACTIVATION_BYTES[self.precision], STATE_BYTES[self.precision]
         sb = t.seq_length // cp * t.micro_batch_size
-        m, sbh, params = self.microbatches, sb * model.hidden_size, self.stages[stage].params
+        m, sbh, params = self.layout.num_microbatches, sb * model.hidden_size, self.stages[stage].params
         layers, forwards = model.num_layers // pp, 1 + (model.recompute_granularity == "full")
         layer_collectives = layers * (2 * forwards + 2) * sbh * e
         loss_reduces = last * 3 * sb * LOSS_BYTES
@@ -285,7 +263,7 @@ class Plan:
         if pp > 1:  # forwards to the next stage and grads to the previous, per chunk
             message = sbh * e / (tp if self.sequence_parallel else 1)
             out["PP send"] = ("send", m * (2 * v - (first or last)) * message, 2)
-        dp = self.dp * cp
+        dp = self.layout.data_parallel_size * cp
         if dp > 1 and self.configs.optimizer.use_distributed_optimizer:
             out["DP grad reduce-scatter"] = ("reduce_scatter", params * grad_bytes, dp)
             out["DP param all-gather"] = ("all_gather", params * e / dp, dp)

@@ -14,7 +14,7 @@ import finetune_bert
 import pretrain_gpt
 from megalite import checkpointing
 from tests.multirank import run_on_ranks
-from tests.test_finetune_run import task_args, tiny_model_dir, write_task
+from tests.test_finetune_run import task_args, write_task_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT = ["--pp", "2", "--dp", "2"]
@@ -23,11 +23,7 @@ STEPS = 8  # per epoch: 64 examples / global batch 8
 
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory) -> str:
-    root = str(tmp_path_factory.mktemp("finetune_loop"))
-    tiny_model_dir(os.path.join(root, "model"))
-    write_task(os.path.join(root, "train.jsonl"), 64, seed=1)
-    write_task(os.path.join(root, "valid.jsonl"), 21, seed=2, flip=0.25)
-    return root
+    return write_task_dir(str(tmp_path_factory.mktemp("finetune_loop")))
 
 
 def _finetune(argv: list[str], fault: str = "") -> dict:

@@ -65,13 +65,17 @@ def task_args(root: str, *extra: str) -> list[str]:
             "--epochs", "3", "--lr", "5e-3", "--log-interval", "4", *extra]
 
 
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory) -> str:
-    root = str(tmp_path_factory.mktemp("finetune"))
+def write_task_dir(root: str) -> str:
+    """`root` with a tiny BERT (model/) and a 64-example training / 21-example held-out task."""
     tiny_model_dir(os.path.join(root, "model"))
     write_task(os.path.join(root, "train.jsonl"), 64, seed=1)
     write_task(os.path.join(root, "valid.jsonl"), 21, seed=2, flip=0.25)
     return root
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory) -> str:
+    return write_task_dir(str(tmp_path_factory.mktemp("finetune")))
 
 
 def _finetune(argv: list[str]) -> dict:

@@ -100,8 +100,8 @@ def test_zero_bubble_inflight_and_bubble_follow_their_closed_forms(p, m):
 def test_plan_of_a_zero_bubble_layout_uses_its_schedule():
     zb = planner.plan(configs(layers=8, pp=4, batch=16, schedule="zb-h1"))
     v = planner.plan(configs(layers=8, pp=4, batch=16, schedule="zbv"))
-    assert zb.schedule.name == "zb-h1" and zb.bubble == Fraction(3, 24)
-    assert v.schedule.name == "zbv" and v.bubble == Fraction(3, 48)
+    assert zb.layout.schedule.name == "zb-h1" and zb.bubble == Fraction(3, 24)
+    assert v.layout.schedule.name == "zbv" and v.bubble == Fraction(3, 48)
     assert zb.stages["first"].inflight == v.stages["last"].inflight == 4
     assert zb.stages["last"].inflight == 1
 

@@ -83,9 +83,9 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
         f"{m.ffn_hidden_size}, vocab {m.vocab_size} (padded {p.padded_vocab}), seq "
         f"{t.seq_length}: {p.total_params / 1e9:.2f} B parameters",
         f"TP {tp} x CP {par.context_parallel_size} x PP {pp}{f' x VPP {v}' if v > 1 else ''} x "
-        f"DP {p.dp} = {p.gpus} GPUs; micro "
-        f"batch {t.micro_batch_size}, global batch {p.global_batch} = {p.microbatches} "
-        f"microbatches per DP rank; {p.schedule.name}; {p.precision}, recompute "
+        f"DP {p.layout.data_parallel_size} = {p.layout.world_size} GPUs; micro "
+        f"batch {t.micro_batch_size}, global batch {p.layout.global_batch_size} = {p.layout.num_microbatches} "
+        f"microbatches per DP rank; {p.layout.schedule.name}; {p.precision}, recompute "
         f"{m.recompute_granularity or 'none'}, "
         f"{'distributed' if c.optimizer.use_distributed_optimizer else 'plain'} optimizer"
         f"{', sequence parallel' if p.sequence_parallel else ''}",
@@ -104,12 +104,12 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
               f"{float(last.inflight):12.3g}",
               f"  fits {capacity_gib:g} GiB: "
               f"{'yes' if max(first.total, last.total) <= capacity_gib * GIB else 'NO'}", ""]
-    lines.append(f"Pipeline bubble: {float(p.bubble):.4f} = {p.schedule.bubble_form} (F = B = W)")
+    lines.append(f"Pipeline bubble: {float(p.bubble):.4f} = {p.layout.schedule.bubble_form} (F = B = W)")
     lines.append(f"FLOPs per step: {p.flops:.4e} (Megatron's "
                  f"{'96' if m.recompute_granularity == 'full' else '72'} B s L h^2 formula)")
     step = p.step_time(peak_tflops, mfu)
     lines.append(f"At {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s per GPU: {step:.4g} s/step, "
-                 f"{p.global_batch * t.seq_length / step:,.0f} tokens/s, "
+                 f"{p.layout.global_batch_size * t.seq_length / step:,.0f} tokens/s, "
                  f"{peak_tflops * mfu:.1f} TFLOP/s per GPU")
     message = (t.seq_length // par.context_parallel_size * t.micro_batch_size * m.hidden_size
                * ACTIVATION_BYTES[p.precision])
@@ -286,20 +286,20 @@ def published_table(capacity_gib: float) -> None:
         p = plan(*_parsed(argv))
         peak = max(s.total for s in p.stages.values()) / GIB
         fits = "yes" if peak <= capacity_gib else "no"
-        tokens = p.global_batch * p.configs.train.seq_length
+        tokens = p.layout.global_batch_size * p.configs.train.seq_length
         if published is None:
             pub, ours = "-", f"{p.step_time(A100, 0.5):.2f} s/step at 50% MFU"
         elif published[0] == "time":
             _, seconds, mfu = published
             pub = f"{seconds:.2f} s/iter, MFU {mfu:.1%}"
-            ours = f"MFU {p.flops / (seconds * p.gpus * A100 * 1e12):.1%}"
+            ours = f"MFU {p.flops / (seconds * p.layout.world_size * A100 * 1e12):.1%}"
         else:
             _, pflops, fraction = published
             step = p.flops / (pflops * 1e15)
-            pub = f"{pflops:g} PFLOP/s = {pflops * 1e3 / p.gpus:.0f} TFLOP/s/GPU ({fraction:.0%})"
-            ours = (f"MFU {pflops * 1e3 / p.gpus / A100:.1%}: {step:.1f} s/step, "
+            pub = f"{pflops:g} PFLOP/s = {pflops * 1e3 / p.layout.world_size:.0f} TFLOP/s/GPU ({fraction:.0%})"
+            ours = (f"MFU {pflops * 1e3 / p.layout.world_size / A100:.1%}: {step:.1f} s/step, "
                     f"{tokens / step:,.0f} tokens/s")
-        print(f"{name:38} {p.gpus:5} {p.total_params / 1e9:6.0f}B {peak:8.1f} {fits:>4}  "
+        print(f"{name:38} {p.layout.world_size:5} {p.total_params / 1e9:6.0f}B {peak:8.1f} {fits:>4}  "
               f"{pub:28} {ours}")
 
 
