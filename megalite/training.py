@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite import checkpointing, device
+from megalite import checkpointing, device, preflight
 from megalite.config import Configs
 from megalite.data.gpt_dataset import check_data
 from megalite.distributed import DistributedDataParallel
@@ -161,6 +161,7 @@ def check_before_start(configs: Configs, layout: RunLayout) -> None:
     if configs.data.data_path:  # missing, truncated, empty or out-of-vocabulary data
         check_data(configs.data.data_path, configs.data.split, m.vocab_size,
                    needs_train=t.train_iters > 0)
+    preflight.check_start(configs)  # output directories writable, --split trains
     check_available(t.tensorboard_dir, t.wandb_project)
     parse_faults(os.environ.get("MEGALITE_FAULT", ""))
     start = 0
