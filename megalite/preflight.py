@@ -26,8 +26,10 @@ def check_writable_dir(flag: str, path: str) -> None:
             from None
 
 
-def check_output_dirs(configs: Configs) -> None:
-    """Every output directory the flags name is writable."""
+def check_start(configs: Configs) -> None:
+    """Every output directory the flags name is writable, and --split leaves training
+    documents when there are steps to train (the data itself, even the built-in corpus,
+    need not exist yet)."""
     t, ft = configs.train, configs.finetune
     outputs = {"--save": configs.checkpoint.save, "--tensorboard-dir": t.tensorboard_dir,
                "--data-cache-dir": configs.data.data_cache_dir,
@@ -35,10 +37,4 @@ def check_output_dirs(configs: Configs) -> None:
     for flag, path in outputs.items():
         if path:
             check_writable_dir(flag, path)
-
-
-def check_start(configs: Configs) -> None:
-    """A pretraining run's outputs, and a --split that leaves training documents when there
-    are steps to train (the data itself, even the built-in corpus, need not exist yet)."""
-    check_output_dirs(configs)
-    check_split(configs.data.split, needs_train=configs.train.train_iters > 0)
+    check_split(configs.data.split, needs_train=t.train_iters > 0)

@@ -120,7 +120,7 @@ def test_llama_directory_without_model_type_round_trips(llama_dirs, tmp_path):
     ("gqa", ["--target-tp", "3"], "--target-tp 3 --target-pp 1: --num-attention-heads (4) "
      "must be divisible by the tensor-parallel size (3)"),
     ("gqa", ["--target-tp", "4", "--target-pp", "3"], "--target-tp 4 --target-pp 3: "
-     "--num-layers (4) must be divisible by --pp x --vpp (3)"),
+     "--num-layers (4) must be divisible by --pp x --vpp = 3"),
 ])
 def test_impossible_target_layouts_are_refused(llama_dirs, tmp_path, capsys, model, layout,
                                                expected):
