@@ -253,6 +253,8 @@ class CheckpointConfig:
     load: str | None = arg(None, "checkpoint directory to resume from")
     save_interval: int | None = arg(None, "save every N steps and at the end (default with "
                                     "--save: a tenth of --train-iters, between 10 and 1000)")
+    keep_latest_checkpoints: int | None = arg(
+        None, "after each save keep only the newest N iterations in --save (default: all)")
 
 
 # --columns presets: (first sentence, second sentence, label) column names.
@@ -309,7 +311,7 @@ MINIMUM = {
     "ddp_bucket_size": 1, "micro_batch_size": 1, "global_batch_size": 1,
     "seq_length": 1, "train_iters": 0, "exit_interval": 1, "eval_interval": 0,
     "eval_iters": 0, "log_interval": 1, "max_skipped_steps": 1, "save_interval": 1,
-    "num_labels": 2, "epochs": 1,
+    "keep_latest_checkpoints": 1, "num_labels": 2, "epochs": 1,
 }
 # Of these, the ones that must be strictly greater than their minimum.
 STRICTLY_ABOVE = frozenset({"distributed_timeout_minutes", "loss_scale", "initial_loss_scale",

@@ -266,8 +266,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
                 task.load_state_dict(meta.get("task", {}))
     except (ValueError, OSError) as error:  # the same files on every rank: the same line
         _fail(error)
-    if ckpt.load:
-        log(f"resumed from {ckpt.load} at iteration {iteration}")
+    log(checkpointing.describe_start(ckpt.load, iteration, configs.train.train_iters))
     if device.device_type() == "cpu" and configs.precision.params_dtype != torch.float32:
         warning = device.reduced_precision_warning(configs.precision.params_dtype)
         if warning:
