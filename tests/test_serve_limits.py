@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.multirank import run_on_ranks
 from tests.test_inference_server import PROMPTS, _post, _stream_events, start_server, tiny_model
 from tools import serve
 
@@ -75,3 +76,17 @@ def test_port_in_use_is_one_error_line_within_seconds(tmp_path):
     assert stop.value.code == 2 and time.monotonic() - start < 5
     assert err.getvalue() == (f"error: --host 127.0.0.1 --port {port}: cannot listen there "
                               f"(Address already in use)\n")
+
+
+def _timeout_verdicts() -> bool:
+    """Rank 0 has run past a 1 s limit, rank 1 has not: what each rank decides."""
+    import torch
+    import torch.distributed as dist
+
+    from megalite.inference.serving import CompletionServer, Limits
+    server = CompletionServer(torch.nn.Linear(1, 1), None, "m", Limits(request_timeout=1.0))
+    return server._timed_out(time.perf_counter() - (5.0 if dist.get_rank() == 0 else 0.0))
+
+
+def test_every_rank_takes_rank_0s_timeout_verdict():
+    assert run_on_ranks(2, _timeout_verdicts) == [True, True]

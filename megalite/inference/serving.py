@@ -121,10 +121,11 @@ class CompletionServer:
         timeout = self.limits.request_timeout
         if timeout is None:
             return False
-        late = torch.tensor([time.perf_counter() - start > timeout])
+        late = torch.tensor([float(time.perf_counter() - start > timeout)],
+                            device=next(self.model.parameters()).device)
         if dist.get_world_size() > 1:
             dist.broadcast(late, src=0)
-        return bool(late)
+        return bool(late.item())
 
     def _header(self, request: Request) -> dict:
         return {"id": request.id, "object": "text_completion", "created": int(time.time()),
