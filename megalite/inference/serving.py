@@ -21,8 +21,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megalite.data.tokenizers import Tokenizer
