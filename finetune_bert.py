@@ -71,6 +71,7 @@ FLAGS = {
               "log_interval", "seed", "tensorboard_dir", "max_skipped_steps",
               "exit_signal_handler", "wandb_project"),
     "data": (),
+    "checkpoint": ("save", "load", "save_interval"),  # it keeps the best epoch's itself
 }
 LOSS = "loss"
 

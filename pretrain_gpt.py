@@ -27,7 +27,7 @@ from megalite.training import pretrain
 # A small GPT that trains visibly on 2 CPU cores in a few minutes.
 DEFAULTS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128,
                 max_position_embeddings=128, micro_batch_size=8, train_iters=150, lr=1e-3,
-                min_lr=1e-4, lr_warmup_iters=15, eval_interval=50, eval_iters=4, log_interval=10,
+                lr_warmup_iters=15, eval_interval=50, eval_iters=4, log_interval=10,
                 hidden_dropout=0.0, attention_dropout=0.0, save="checkpoints/gpt_default")
 
 

@@ -26,6 +26,7 @@ error line.
 import dataclasses
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -131,10 +132,11 @@ def _publish(root: str, iteration: int, tmp: str) -> None:
 
 def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
                     scheduler, consumed_samples: int, model_config: ModelConfig,
-                    task_state: dict | None = None) -> None:
+                    task_state: dict | None = None, keep_latest: int | None = None) -> None:
     """Collective over the world: every rank writes its part, rank 0 publishes it.
 
     `task_state` (JSON: the training task's own progress) is kept in meta.json as "task".
+    With `keep_latest`, rank 0 then deletes all but the newest that many iterations.
 
     Raises ValueError on every rank (publishing nothing) if any rank's weights are not finite.
     """
@@ -173,7 +175,20 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
                          f"keeps its last good checkpoint")
     if rank == 0:
         _publish(root, iteration, tmp)
+        if keep_latest:
+            prune_checkpoints(root, keep_latest, iteration)
     dist.barrier()
+
+
+def prune_checkpoints(root: str, keep: int, written: int) -> list[int]:
+    """Delete every published iteration of `root` but the newest `keep` and `written` (the
+    one just saved); return the deleted iterations."""
+    saved = sorted(int(name[5:]) for name in os.listdir(root)
+                   if re.fullmatch(r"iter_\d{7}", name))
+    doomed = [i for i in saved[:-keep] if i != written]
+    for i in doomed:
+        shutil.rmtree(iteration_dir(root, i))
+    return doomed
 
 
 def latest_iteration(root: str) -> int | None:
@@ -193,6 +208,17 @@ def mark_latest(root: str, iteration: int) -> None:
     if not os.path.isdir(_published_dir(root, iteration)):
         raise ValueError(f"{root}: no checkpoint of iteration {iteration}")
     _write_atomic_text(os.path.join(root, MARKER), str(iteration))
+
+
+def describe_start(load: str | None, iteration: int, train_iters: int) -> str:
+    """What a run starts from, in words: scratch, a resumed iteration, or one that already
+    reached --train-iters."""
+    if load is None or latest_iteration(load) is None:
+        return f"starting from scratch ({f'no checkpoint in {load} yet' if load else 'no --load'})"
+    if iteration >= train_iters:
+        return (f"{load} is at iteration {iteration}, --train-iters is {train_iters}: nothing "
+                f"left to do (raise --train-iters to train on)")
+    return f"resumed from {load} at iteration {iteration}"
 
 
 def read_meta(root: str, iteration: int | None = None) -> dict | None:

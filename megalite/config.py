@@ -6,6 +6,7 @@ and `parse_configs` turns parsed arguments back into the dataclasses.
 """
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Collection
@@ -184,7 +185,7 @@ class OptimizerConfig:
 
     optimizer: str = arg("adam", "AdamW (decoupled weight decay) or SGD", choices=("adam", "sgd"))
     lr: float = arg(6e-4, "peak learning rate")
-    min_lr: float = arg(6e-5, "learning rate at the end of decay")
+    min_lr: float = arg(0.0, "learning rate at the end of decay (at most --lr)")
     lr_decay_style: str = arg("cosine", "decay after warm-up",
                               choices=("cosine", "linear", "constant"))
     lr_warmup_iters: int = arg(0, "linear warm-up iterations")
@@ -199,6 +200,11 @@ class OptimizerConfig:
     ddp_bucket_size: int = arg(40_000_000, "elements per DP gradient all-reduce bucket")
     overlap_grad_reduce: bool = arg(True, "start bucket reductions during backward",
                                     negatable=True)
+
+    def __post_init__(self) -> None:
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr ({self.min_lr}) must be <= --lr ({self.lr}): the "
+                             f"learning rate would climb as it decays")
 
 
 @dataclass
@@ -247,6 +253,8 @@ class CheckpointConfig:
     load: str | None = arg(None, "checkpoint directory to resume from")
     save_interval: int | None = arg(None, "save every N steps and at the end (default with "
                                     "--save: a tenth of --train-iters, between 10 and 1000)")
+    keep_latest_checkpoints: int | None = arg(
+        None, "after each save keep only the newest N iterations in --save (default: all)")
 
 
 # --columns presets: (first sentence, second sentence, label) column names.
@@ -299,24 +307,33 @@ MINIMUM = {
     "distributed_timeout_minutes": 0.0, "loss_scale": 0.0, "initial_loss_scale": 0.0,
     "min_loss_scale": 0.0, "loss_scale_window": 1, "hysteresis": 1, "lr": 0.0, "min_lr": 0.0,
     "lr_warmup_iters": 0, "lr_decay_iters": 1, "weight_decay": 0.0, "adam_eps": 0.0,
-    "clip_grad": 0.0, "ddp_bucket_size": 1, "micro_batch_size": 1, "global_batch_size": 1,
+    "clip_grad": 0.0, "adam_beta1": 0.0, "adam_beta2": 0.0, "sgd_momentum": 0.0,
+    "ddp_bucket_size": 1, "micro_batch_size": 1, "global_batch_size": 1,
     "seq_length": 1, "train_iters": 0, "exit_interval": 1, "eval_interval": 0,
     "eval_iters": 0, "log_interval": 1, "max_skipped_steps": 1, "save_interval": 1,
-    "num_labels": 2, "epochs": 1,
+    "keep_latest_checkpoints": 1, "num_labels": 2, "epochs": 1,
 }
 # Of these, the ones that must be strictly greater than their minimum.
 STRICTLY_ABOVE = frozenset({"distributed_timeout_minutes", "loss_scale", "initial_loss_scale",
                             "min_loss_scale", "adam_eps"})
+# Values numeric flags must stay strictly below.
+BELOW = {"adam_beta1": 1.0, "adam_beta2": 1.0}
 
 
-def check_minimum(name: str, value) -> None:
-    """ValueError (one line naming the flag) if a numeric flag is below its minimum."""
-    low = MINIMUM.get(name)
-    if low is None or value is None:
+def check_range(name: str, value) -> None:
+    """ValueError (one line naming the flag) if a numeric flag is not finite, below its
+    minimum or not below its bound."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
-    if value < low or (name in STRICTLY_ABOVE and value <= low):
+    flag = "--" + name.replace("_", "-")
+    if not math.isfinite(value):
+        raise ValueError(f"{flag} ({value}) must be a finite number")
+    low = MINIMUM.get(name)
+    if low is not None and (value < low or (name in STRICTLY_ABOVE and value <= low)):
         relation = ">" if name in STRICTLY_ABOVE else ">="
-        raise ValueError(f"--{name.replace('_', '-')} ({value}) must be {relation} {low}")
+        raise ValueError(f"{flag} ({value}) must be {relation} {low}")
+    if name in BELOW and value >= BELOW[name]:
+        raise ValueError(f"{flag} ({value}) must be < {BELOW[name]}")
 
 
 def _base_type(tp):
@@ -373,7 +390,7 @@ def config_from_args(config_cls, args: argparse.Namespace):
     default, else its own); a ValueError from validation exits with one line."""
     values = {f.name: getattr(args, f.name, _default(f)) for f in dataclasses.fields(config_cls)}
     for name, value in values.items():
-        check_minimum(name, value)
+        check_range(name, value)
     return config_cls(**values)
 
 

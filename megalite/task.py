@@ -95,6 +95,7 @@ class Run:
             return
         checkpointing.save_checkpoint(root, self.iteration, self.model, self.optimizer,
                                       self.scheduler, self.consumed, self.configs.model,
-                                      self.task.state_dict())
+                                      self.task.state_dict(),
+                                      self.configs.checkpoint.keep_latest_checkpoints)
         log(f"saved checkpoint to {root} at iteration {self.iteration}")
         self.saved_at = self.iteration

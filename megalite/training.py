@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite import checkpointing, device
+from megalite import checkpointing, device, preflight
 from megalite.config import Configs
 from megalite.data.gpt_dataset import check_data
 from megalite.distributed import DistributedDataParallel
@@ -161,6 +161,7 @@ def check_before_start(configs: Configs, layout: RunLayout) -> None:
     if configs.data.data_path:  # missing, truncated, empty or out-of-vocabulary data
         check_data(configs.data.data_path, configs.data.split, m.vocab_size,
                    needs_train=t.train_iters > 0)
+    preflight.check_start(configs)  # output directories writable, --split trains
     check_available(t.tensorboard_dir, t.wandb_project)
     parse_faults(os.environ.get("MEGALITE_FAULT", ""))
     start = 0
@@ -265,8 +266,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
                 task.load_state_dict(meta.get("task", {}))
     except (ValueError, OSError) as error:  # the same files on every rank: the same line
         _fail(error)
-    if ckpt.load:
-        log(f"resumed from {ckpt.load} at iteration {iteration}")
+    log(checkpointing.describe_start(ckpt.load, iteration, configs.train.train_iters))
     if device.device_type() == "cpu" and configs.precision.params_dtype != torch.float32:
         warning = device.reduced_precision_warning(configs.precision.params_dtype)
         if warning:

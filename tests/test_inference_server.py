@@ -29,9 +29,8 @@ PROMPTS = ["The module", "import os", "Return the value", "A list of", "def f(x)
 CONTEXT = 48
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
+def tiny_model(tmp) -> tuple[object, SentencePieceTokenizer]:
+    """A random GPT-2 (transformers) and a 512-piece tokenizer, saved as tmp/ckpt, tmp/sp.model."""
     corpus = tmp / "corpus.txt"
     corpus.write_text("\n".join(m.__doc__ or "" for m in (os, json, socket, subprocess,
                                                           urllib.request, torch.nn.Module)))
@@ -44,23 +43,35 @@ def server(tmp_path_factory):
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
     config = gpt2_config(hf.config)
     write_weights_checkpoint(str(tmp / "ckpt"), gpt2_to_megalite(hf.state_dict(), config), config)
+    return hf, tokenizer
+
+
+def start_server(tmp, *flags: str) -> tuple[subprocess.Popen, str]:
+    """tools/serve.py on tmp/ckpt at a free loopback port, once /health answers."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "serve.py"), "--load",
                              str(tmp / "ckpt"), "--tokenizer", str(tmp / "sp.model"), "--port",
-                             str(port)], env=env, stdout=subprocess.PIPE,
+                             str(port), *flags], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
         try:
             urllib.request.urlopen(url + "/health", timeout=5)
-            break
+            return proc, url
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 pytest.fail(f"server did not start:\n{proc.stdout.read()}")
             time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    hf, tokenizer = tiny_model(tmp)
+    proc, url = start_server(tmp)
     yield url, hf, tokenizer
     proc.terminate()
     proc.wait(timeout=30)

@@ -4,12 +4,15 @@
   megalite -> hf:       --direction megalite-to-hf --input CKPT --output HF_DIR
   megalite -> megalite: --direction reshard --input CKPT --output CKPT2 --target-tp 4 --target-pp 1
 
---model-type gpt (GPT-2, default), llama (LlamaForCausalLM directory, or a llama GGUF file as
---input, e.g. SmolLM2 from `megalite.hf.smollm2_gguf_path()`) or bert (BertModel,
+--model-type is read from the input (a transformers directory's config.json model_type, a
+GGUF file's architecture, a megalite checkpoint's model config); given, it must agree:
+gpt (GPT-2), llama (LlamaForCausalLM directory, or a llama GGUF file as --input, e.g.
+SmolLM2 from `megalite.hf.smollm2_gguf_path()`), bert (BertModel,
 BertForSequenceClassification or BertForMaskedLM, picked by the head the weights have;
 tokenizer files are not converted), mixtral or qwen2_moe (MixtralForCausalLM /
 Qwen2MoeForCausalLM directories; experts are stored by global index, so a checkpoint loads
-under any expert-parallel size too).
+under any expert-parallel size too). A weight the model lacks or does not use, or a
+--target-tp/--target-pp the model cannot be split into, is one error line.
 megalite checkpoints hold full tensors per pipeline stage, so any of them loads under any
 layout; --target-tp/--target-pp record the layout and split the stage files.
 """
@@ -20,15 +23,31 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite import checkpointing  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
+from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
+                             OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
 from megalite.hf import bert, gguf, gpt2, llama, moe  # noqa: E402
+from megalite.hf.families import check_weights, family_of_config, family_of_source  # noqa: E402
+from megalite.layout import RunLayout  # noqa: E402
 
 State = dict  # full megalite state dict: parameter name -> tensor
 
 
+def from_pretrained(cls, src: str):
+    """`cls.from_pretrained(src)` in fp32; ValueError if the directory's weights and the
+    class's differ (transformers would initialise the missing ones at random)."""
+    hf, info = cls.from_pretrained(src, local_files_only=True, dtype="float32",
+                                   output_loading_info=True)
+    bad = {kind: sorted(info[kind]) for kind in ("missing_keys", "unexpected_keys",
+                                                  "mismatched_keys") if info[kind]}
+    if bad:
+        raise ValueError(f"{src}: weights do not fit {type(hf).__name__}: " + "; ".join(
+            f"{kind.replace('_', ' ')} {names[:3]} ({len(names)})" for kind, names in bad.items()))
+    return hf
+
+
 def read_gpt(src: str) -> tuple[ModelConfig, State]:
     from transformers import GPT2LMHeadModel
-    hf = GPT2LMHeadModel.from_pretrained(src, local_files_only=True)
+    hf = from_pretrained(GPT2LMHeadModel, src)
     config = gpt2.gpt2_config(hf.config)
     return config, gpt2.gpt2_to_megalite(hf.state_dict(), config)
 
@@ -45,9 +64,17 @@ def write_gpt(dst: str, full: State, config: ModelConfig, src: str) -> None:
 
 
 def read_bert(src: str) -> tuple[ModelConfig, State]:
+    """Every weight of the directory must map (a pretraining head, e.g., would be lost)."""
     hf_config, state = bert.read_bert_dir(src)
     config = bert.bert_config(hf_config)
-    return config, bert.bert_to_megalite(state, config)
+    full = bert.bert_to_megalite(state, config)
+    mapped = {k.removeprefix("bert.") for k in bert.megalite_to_bert(full, config)}
+    unused = sorted({k.removeprefix("bert.") for k in state} - mapped
+                    - {"embeddings.position_ids"})
+    if unused:
+        raise ValueError(f"{src}: weights megalite's BERT has no place for: {unused[:3]} "
+                         f"({len(unused)})")
+    return config, full
 
 
 def write_bert(dst: str, full: State, config: ModelConfig, src: str) -> None:
@@ -66,10 +93,10 @@ def write_bert(dst: str, full: State, config: ModelConfig, src: str) -> None:
 def read_llama(src: str) -> tuple[ModelConfig, State]:
     """A transformers Llama directory, or a llama-architecture .gguf file."""
     if src.endswith(".gguf"):
-        hf_config, state = gguf.read_llama_gguf(src)
+        hf_config, state = gguf.read_llama_gguf(src, log=print)
     else:
         from transformers import LlamaForCausalLM
-        hf = LlamaForCausalLM.from_pretrained(src, local_files_only=True, dtype="float32")
+        hf = from_pretrained(LlamaForCausalLM, src)
         hf_config, state = hf.config, hf.state_dict()
     config = llama.llama_config(hf_config)
     return config, llama.llama_to_megalite(state, config)
@@ -82,7 +109,7 @@ def write_llama(dst: str, full: State, config: ModelConfig, src: str) -> None:
 def read_moe(src: str) -> tuple[ModelConfig, State]:
     """A transformers MixtralForCausalLM or Qwen2MoeForCausalLM directory."""
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, dtype="float32")
+    hf = from_pretrained(AutoModelForCausalLM, src)
     config = moe.moe_config(hf.config)
     return config, moe.moe_to_megalite(hf.state_dict(), config)
 
@@ -100,20 +127,54 @@ MODEL_TYPES = {  # name -> (HF directory -> (config, full state), write full sta
 }
 
 
-def hf_to_megalite(model_type: str, src: str, dst: str, tp: int, pp: int) -> None:
+def model_type_of(asked: str | None, found: str, src: str) -> str:
+    """The family found in the input; ValueError if --model-type names another."""
+    if asked is not None and asked != found:
+        raise ValueError(f"--model-type {asked} disagrees with --input {src}, which holds a "
+                         f"{found} model (drop --model-type, or give the right input)")
+    return found
+
+
+def check_target_layout(config: ModelConfig, tp: int, pp: int) -> None:
+    """--target-tp/--target-pp the model can be split into: the run layout's rules (heads and
+    KV groups over TP, layers over PP, ...); ValueError naming both flags."""
+    configs = Configs(config,
+                      ParallelConfig(tensor_model_parallel_size=tp,
+                                     pipeline_model_parallel_size=pp),
+                      PrecisionConfig(), OptimizerConfig(),
+                      TrainConfig(seq_length=config.max_position_embeddings), DataConfig(),
+                      CheckpointConfig())
+    try:
+        RunLayout.from_configs(configs, tp * pp)
+    except ValueError as error:
+        raise ValueError(f"--target-tp {tp} --target-pp {pp}: {error}") from None
+
+
+def write_checkpoint(dst: str, full: State, config: ModelConfig, src: str, tp: int, pp: int,
+                     iteration: int = 0) -> None:
+    check_target_layout(config, tp, pp)
+    check_weights(full, config, src)
+    checkpointing.write_weights_checkpoint(dst, full, config, tp, pp, iteration)
+
+
+def hf_to_megalite(model_type: str | None, src: str, dst: str, tp: int, pp: int) -> None:
+    model_type = model_type_of(model_type, family_of_source(src), src)
     config, full = MODEL_TYPES[model_type][0](src)
-    checkpointing.write_weights_checkpoint(dst, full, config, tp, pp)
+    write_checkpoint(dst, full, config, src, tp, pp)
 
 
-def megalite_to_hf(model_type: str, src: str, dst: str) -> None:
+def megalite_to_hf(model_type: str | None, src: str, dst: str) -> None:
     meta, full = checkpointing.read_full_model(src)
-    MODEL_TYPES[model_type][1](dst, full, ModelConfig(**meta["model_config"]), src)
+    config = ModelConfig(**meta["model_config"])
+    check_weights(full, config, src)
+    MODEL_TYPES[model_type_of(model_type, family_of_config(config), src)][1](dst, full, config,
+                                                                              src)
 
 
 def reshard(src: str, dst: str, tp: int, pp: int) -> None:
     meta, full = checkpointing.read_full_model(src)
-    checkpointing.write_weights_checkpoint(dst, full, ModelConfig(**meta["model_config"]), tp, pp,
-                                           meta["iteration"])
+    write_checkpoint(dst, full, ModelConfig(**meta["model_config"]), src, tp, pp,
+                     meta["iteration"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--direction", required=True,
                         choices=("hf-to-megalite", "megalite-to-hf", "reshard"))
-    parser.add_argument("--model-type", default="gpt", choices=sorted(MODEL_TYPES))
+    parser.add_argument("--model-type", choices=sorted(MODEL_TYPES),
+                        help="checked against the input (default: read from it)")
     parser.add_argument("--input", required=True, help="source directory (or .gguf file)")
     parser.add_argument("--output", required=True, help="destination directory")
     parser.add_argument("--target-tp", type=int, default=1)
@@ -137,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
             megalite_to_hf(args.model_type, args.input, args.output)
         else:
             reshard(args.input, args.output, args.target_tp, args.target_pp)
-    except (ValueError, FileNotFoundError, OSError) as error:
+    except (ValueError, KeyError, OSError) as error:
         parser.exit(2, f"error: {error}\n")
     print(f"wrote {args.output}")
 

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         documents = read_documents(args.input, args.json_keys)
         os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
         counts = preprocess_documents(documents, args.json_keys, args.tokenizer, args.output_prefix,
-                                      args.append_eod, args.workers)
+                                      args.append_eod, args.workers, source=args.input)
     except (FileNotFoundError, ValueError) as error:
         sys.exit(f"preprocess_data: {error}")
     for key, (docs, tokens) in counts.items():

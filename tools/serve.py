@@ -7,7 +7,11 @@ directory, at any TP x PP: rank 0 answers HTTP, every rank generates.
        -d '{"prompt": "The module", "max_tokens": 32, "temperature": 0}'
 
 POST /v1/completions: prompt (string or list), max_tokens, temperature, top_p, top_k, seed,
-stop, stream (server-sent events). GET /health.
+stop, stream (server-sent events). GET /health. A request whose prompt plus max_tokens
+exceeds the model's context, or whose max_tokens exceeds --max-tokens, gets HTTP 400; one
+that generates longer than --request-timeout seconds stops there (finish_reason "length",
+and a "warning" saying so). Every request is logged; SIGTERM stops the server after the
+queued requests.
 """
 import argparse
 import os
@@ -19,7 +23,8 @@ import torch.distributed as dist  # noqa: E402
 
 from megalite.inference.loading import add_model_arguments, load_from_args, \
     run_tool  # noqa: E402
-from megalite.inference.serving import CompletionServer, serve_http  # noqa: E402
+from megalite.inference.serving import CompletionServer, Limits, listen, \
+    serve_http  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -28,15 +33,30 @@ def main(argv=None) -> None:
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="largest max_tokens a request may ask for (default: the context)")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds of generation per request before it is cut short "
+                        "(default: no limit)")
     args = parser.parse_args(argv)
+    for flag, value in (("--max-tokens", args.max_tokens),
+                        ("--request-timeout", args.request_timeout)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} {value}: expected a positive number")
+    # bind before the (slow) model load, so a taken port fails at once (rank 0 serves)
+    sock = listen(args.host, args.port) if int(os.environ.get("RANK", 0)) == 0 else None
     model, tokenizer = load_from_args(args)
     server = CompletionServer(model, tokenizer, os.path.basename(
-        os.path.normpath(args.load or args.hf or args.gguf)))
+        os.path.normpath(args.load or args.hf or args.gguf)),
+        Limits(args.max_tokens, args.request_timeout))
+    server.stop_on_sigterm()
     if dist.get_rank() == 0:
-        serve_http(server, args.host, args.port)
+        serve_http(server, sock)
         print(f"serving on http://{args.host}:{args.port} (POST /v1/completions, GET /health)",
               flush=True)
     server.loop()
+    if dist.get_rank() == 0:
+        print("server stopped", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,16 +25,30 @@ def _index_dtype(bound: int) -> type:
     return np.int32 if bound < 2**31 else np.int64
 
 
-def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
-    """[begin, end) document ranges of train/valid/test for a ratio string like "969,30,1"."""
+def split_ratios(split: str) -> list[float]:
+    """The train, valid, test ratios of a string like "969,30,1" (missing ones 0)."""
     try:
         ratios = [float(r) for r in split.replace("/", ",").split(",")]
     except ValueError:
         ratios = []
-    if not 1 <= len(ratios) <= 3 or min(ratios) < 0 or sum(ratios) <= 0:
+    if not 1 <= len(ratios) <= 3 or not all(map(math.isfinite, ratios)) or min(ratios) < 0 \
+            or sum(ratios) <= 0:
         raise ValueError(f"--split {split!r}: expected up to three non-negative ratios like "
                          f"'969,30,1'")
-    ratios += [0.0] * (3 - len(ratios))
+    return ratios + [0.0] * (3 - len(ratios))
+
+
+def check_split(split: str, needs_train: bool) -> None:
+    """ValueError (one line) for a malformed --split, or one with no train share when
+    `needs_train`; needs no data."""
+    if split_ratios(split)[0] == 0 and needs_train:
+        raise ValueError(f"--split {split}: the train ratio is 0, so there is nothing to train "
+                         f"on (give the train split a share, e.g. 969,30,1)")
+
+
+def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
+    """[begin, end) document ranges of train/valid/test for a ratio string like "969,30,1"."""
+    ratios = split_ratios(split)
     bounds = [0] + [int(round(float(c) * num_documents)) for c in np.cumsum(ratios) / sum(ratios)]
     return list(zip(bounds[:-1], bounds[1:]))
 

@@ -8,6 +8,7 @@ documents that tokenise to nothing are skipped.
 """
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -48,7 +49,10 @@ def read_documents(path: str, json_keys: Sequence[str]) -> Iterator[dict[str, st
         return ({json_keys[0]: text} for text in read_paragraphs(path))
     import datasets
 
-    rows = datasets.load_dataset("json", data_files=path, split="train", streaming=True)
+    try:
+        rows = datasets.load_dataset("json", data_files=path, split="train", streaming=True)
+    except StopIteration:  # what `datasets` raises for a file without a single row
+        raise ValueError(f"--input {path}: no JSON lines (the file is empty)") from None
     found = list(rows.features or json_keys)  # features are None when datasets cannot infer them
     missing = [key for key in json_keys if key not in found]
     if missing:
@@ -80,9 +84,13 @@ def _encode(document: dict[str, str]) -> dict[str, np.ndarray]:
 def preprocess_documents(documents: Iterable[dict[str, str]], json_keys: Sequence[str],
                          tokenizer_path: str, output_prefix: str, append_eod: bool = False,
                          workers: int = 1, total: int | None = None,
-                         progress: bool = True) -> dict[str, tuple[int, int]]:
+                         progress: bool = True, source: str = "the input"
+                         ) -> dict[str, tuple[int, int]]:
     """Tokenise `documents` ({key: text}) with `workers` processes and write one
-    indexed dataset per key. Returns {key: (documents written, tokens written)}."""
+    indexed dataset per key. Returns {key: (documents written, tokens written)}.
+
+    A key with no tokens in any document raises ValueError naming `source` and leaves no
+    files behind."""
     tokenizer = build_tokenizer(tokenizer_path)
     dtype = best_dtype(tokenizer.vocab_size)
     builders = {key: IndexedDatasetBuilder(output_prefix_for(output_prefix, key) + ".bin", dtype)
@@ -107,4 +115,10 @@ def preprocess_documents(documents: Iterable[dict[str, str]], json_keys: Sequenc
             pool.join()
     for key, builder in builders.items():
         builder.finalize(output_prefix_for(output_prefix, key) + ".idx")
+    empty = [key for key, (docs, _) in counts.items() if not docs]
+    if empty:
+        for key, ext in itertools.product(json_keys, (".bin", ".idx")):
+            os.remove(output_prefix_for(output_prefix, key) + ext)
+        raise ValueError(f"--input {source}: no document has text under --json-keys "
+                         f"{empty[0]}; nothing written")
     return {key: (docs, tokens) for key, (docs, tokens) in counts.items()}

@@ -54,13 +54,15 @@ class HFTokenizer(Tokenizer):
     its eos token, else its sep token."""
 
     def __init__(self, directory: str) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         self.directory = directory
-        kw = {}
-        if directory.endswith(".gguf"):
-            directory, kw["gguf_file"] = os.path.split(directory)
-        self._tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kw)
+        if directory.endswith(".gguf"):  # AutoTokenizer would parse the whole file for a config
+            directory, name = os.path.split(directory)
+            self._tok = PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name,
+                                                                local_files_only=True)
+        else:
+            self._tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         self.vocab_size = len(self._tok)
         eod = self._tok.eos_token_id if self._tok.eos_token_id is not None else self._tok.sep_token_id
         if eod is None:

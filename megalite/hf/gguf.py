@@ -6,6 +6,8 @@ brings them back to transformers' half-split layout, the one megalite uses.
 """
 import importlib.util
 import os
+import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -50,16 +52,20 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def read_llama_gguf(path: str):
-    """(transformers LlamaConfig, transformers-named fp32 state dict) of a GGUF file.
+def read_llama_gguf(path: str, log: Callable[[str], None] = lambda message: None):
+    """(transformers LlamaConfig, transformers-named fp32 state dict) of a GGUF file, parsed
+    once; `log` gets progress lines (the parse and the dequantisation take seconds each).
 
-    One ValueError naming the file when it is not a GGUF or not a llama architecture.
+    One ValueError naming the file when it is not a GGUF, not a llama architecture or holds
+    a tensor a Llama does not have.
     """
     import gguf
     from gguf.quants import dequantize
     from transformers import LlamaConfig
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such GGUF file")
+    start = time.perf_counter()
+    log(f"reading {path} ({os.path.getsize(path) / 1e6:.0f} MB)")
     try:
         reader = gguf.GGUFReader(path)
     except Exception as error:  # the reader raises ValueError / struct errors on bad bytes
@@ -87,17 +93,20 @@ def read_llama_gguf(path: str):
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"))
-    state = {}
-    for tensor in reader.tensors:
+    state, count = {}, len(reader.tensors)
+    for i, tensor in enumerate(reader.tensors):
         block, _, suffix = tensor.name.partition(".")
-        if block == "blk":
-            layer, _, suffix = suffix.partition(".")
-            name = f"model.layers.{layer}.{_LAYER_NAMES[suffix]}"
-        else:
-            name = _TOP_NAMES[tensor.name]
+        layer, _, suffix = suffix.partition(".") if block == "blk" else ("", "", tensor.name)
+        known = _LAYER_NAMES if block == "blk" else _TOP_NAMES
+        if suffix not in known:
+            raise ValueError(f"{path}: tensor {tensor.name!r} has no place in a Llama model")
+        name = f"model.layers.{layer}.{known[suffix]}" if block == "blk" else known[suffix]
+        if (i + 1) * 4 // count > i * 4 // count:  # each quarter
+            log(f"  dequantised {i + 1}/{count} tensors")
         values = torch.from_numpy(np.array(
             dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
         if suffix in ("attn_q.weight", "attn_k.weight"):
             values = unpermute_rotary(values, heads if suffix == "attn_q.weight" else groups)
         state[name] = values
+    log(f"read {count} tensors from {path} in {time.perf_counter() - start:.1f} s")
     return config, state

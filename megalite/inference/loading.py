@@ -1,9 +1,11 @@
 """A model to generate with: weights from a megalite checkpoint (any saved layout) or a
 transformers directory, built and sliced for the launch layout, with its tokenizer."""
 import dataclasses
+import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -56,35 +58,14 @@ def read_hf(directory: str) -> tuple[ModelConfig, State]:
     return config, to_megalite(hf.state_dict(), config)
 
 
-def read_gguf(path: str) -> tuple[ModelConfig, State]:
-    """Config and full megalite weights (dequantised to fp32) of a Llama GGUF file."""
+def read_gguf(path: str, log: Callable[[str], None] = lambda message: None
+              ) -> tuple[ModelConfig, State]:
+    """Config and full megalite weights (dequantised to fp32) of a Llama GGUF file (parsed
+    once; progress lines to `log`)."""
     from megalite.hf import llama_config, llama_to_megalite, read_llama_gguf
-    hf_config, hf_state = read_llama_gguf(path)
+    hf_config, hf_state = read_llama_gguf(path, log)
     config = llama_config(hf_config)
     return config, llama_to_megalite(hf_state, config)
-
-
-class TransformersTokenizer(Tokenizer):
-    """A loaded transformers tokenizer (e.g. the one inside a GGUF file) as a Tokenizer."""
-
-    def __init__(self, tokenizer) -> None:
-        self._tok = tokenizer
-        self.vocab_size = len(tokenizer)
-        self.eod = tokenizer.eos_token_id
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eod
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False)
-
-    def detokenize(self, ids: list[int]) -> str:
-        return self._tok.decode(list(map(int, ids)))
-
-
-def gguf_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer stored in a GGUF file (read by transformers)."""
-    from transformers import AutoTokenizer
-    directory, name = os.path.split(os.path.abspath(path))
-    return TransformersTokenizer(AutoTokenizer.from_pretrained(directory, gguf_file=name))
 
 
 def build_inference_model(config: ModelConfig, full: State,
@@ -152,14 +133,19 @@ def load_from_args(args) -> tuple[nn.Module, Tokenizer]:
     if args.gguf == "smollm2":
         from megalite.hf import smollm2_gguf_path
         args.gguf = smollm2_gguf_path()
+    log = functools.partial(print, flush=True) if int(os.environ.get("RANK", 0)) == 0 \
+        else (lambda message: None)
+    start = time.perf_counter()
     if args.load:
         config, full = read_checkpoint(args.load)
     elif args.hf:
         config, full = read_hf(args.hf)
     else:
-        config, full = read_gguf(args.gguf)
-    tokenizer = gguf_tokenizer(args.gguf) if args.gguf and not args.tokenizer else \
+        config, full = read_gguf(args.gguf, log)
+    tokenizer = build_tokenizer(args.gguf) if args.gguf and not args.tokenizer else \
         load_tokenizer(args.tokenizer, args.load or args.hf or "")
+    log(f"loaded {args.load or args.hf or args.gguf}: {config.num_layers} layers, hidden "
+        f"{config.hidden_size}, {tokenizer.vocab_size} tokens ({time.perf_counter() - start:.1f} s)")
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"--tokenizer has {tokenizer.vocab_size} tokens, the model "
                          f"{config.vocab_size} (expected the tokenizer the model was trained with)")

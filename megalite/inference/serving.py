@@ -1,21 +1,27 @@
 """An OpenAI-style completions server in front of `complete`: FastAPI on rank 0, every rank in
 the generation loop.
 
-Rank 0's HTTP handlers validate a request (400 with a message when it is bad) and queue it;
-the loop, on every rank, takes one queued request at a time (rank 0 broadcasts it on the
-world group; an idle tick every `IDLE_TICK_S` keeps the followers' waits short of the
-process-group timeout) and generates for its prompts as one batch. Events go back to the
-waiting handler through a queue, so a client that leaves mid-stream costs nothing but the
-rest of its generation.
+Rank 0's HTTP handlers validate a request (400 with a message when it is bad: among others
+a prompt plus max_tokens beyond the model's context, or max_tokens above the server's
+`Limits.max_tokens`) and queue it; the loop, on every rank, takes one queued request at a
+time (rank 0 broadcasts it on the world group; an idle tick every `IDLE_TICK_S` keeps the
+followers' waits short of the process-group timeout) and generates for its prompts as one
+batch, for at most `Limits.request_timeout` seconds (then finish_reason "length" and a
+"warning" in the response). Events go back to the waiting handler through a queue, so a
+client that leaves mid-stream costs nothing but the rest of its generation. Rank 0 logs
+every request; SIGTERM ends the loop after the queued requests.
 """
 import json
 import queue
+import signal
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -31,6 +37,16 @@ class BadRequest(ValueError):
     """A request the server answers with HTTP 400."""
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one request may take: max_tokens at most `max_tokens` (None: up to the context;
+    more is answered 400), generation for at most `request_timeout` seconds (None: no limit;
+    then finish_reason "length" and a warning in the response)."""
+
+    max_tokens: int | None = None
+    request_timeout: float | None = None
+
+
 @dataclass
 class Request:
     """A validated completion request and the queue its results come back on."""
@@ -43,7 +59,8 @@ class Request:
     events: queue.Queue = field(default_factory=queue.Queue)
 
 
-def parse_request(body, tokenizer: Tokenizer, context: int) -> Request:
+def parse_request(body, tokenizer: Tokenizer, context: int, limits: Limits = Limits()
+                  ) -> Request:
     """An OpenAI completions body -> Request; BadRequest naming the first bad field."""
     if not isinstance(body, dict):
         raise BadRequest("expected a JSON object")
@@ -63,9 +80,15 @@ def parse_request(body, tokenizer: Tokenizer, context: int) -> Request:
                                 top_p=float(body.get("top_p", 1.0)),
                                 seed=None if body.get("seed") is None else int(body["seed"]))
         params.validate()
-        encode_prompts(tokenizer, prompts, context)
+        longest = max(map(len, encode_prompts(tokenizer, prompts, context)))
     except (TypeError, ValueError) as error:
         raise BadRequest(str(error).replace("max_new_tokens", "max_tokens")) from None
+    if longest + params.max_new_tokens > context:
+        raise BadRequest(f"max_tokens ({params.max_new_tokens}) plus the prompt's {longest} "
+                         f"tokens exceed the model's context length ({context})")
+    if limits.max_tokens is not None and params.max_new_tokens > limits.max_tokens:
+        raise BadRequest(f"max_tokens ({params.max_new_tokens}) is above this server's limit "
+                         f"(--max-tokens {limits.max_tokens})")
     return Request(prompts, params, stop, bool(body.get("stream", False)))
 
 
@@ -76,28 +99,62 @@ def _choice(index: int, text: str, finish_reason: str | None) -> dict:
 class CompletionServer:
     """`app()` (rank 0) answers HTTP; `loop()` (every rank) generates."""
 
-    def __init__(self, model: nn.Module, tokenizer: Tokenizer, model_name: str) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, model_name: str,
+                 limits: Limits = Limits()) -> None:
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.limits = limits
         self.requests: queue.Queue[Request | None] = queue.Queue()
+
+    def stop_on_sigterm(self) -> None:
+        """SIGTERM ends `loop` once the requests queued before it are answered (rank 0 tells
+        the other ranks; they ignore their own SIGTERM and wait for that)."""
+        def handler(signum, frame) -> None:
+            if dist.get_rank() == 0:
+                print("received SIGTERM: answering the queued requests, then stopping",
+                      flush=True)
+                self.requests.put(None)
+        signal.signal(signal.SIGTERM, handler)
+
+    def _timed_out(self, start: float) -> bool:
+        """Whether rank 0 has spent --request-timeout on this request (every rank learns
+        rank 0's answer, so all stop after the same step)."""
+        timeout = self.limits.request_timeout
+        if timeout is None:
+            return False
+        late = torch.tensor([float(time.perf_counter() - start > timeout)],
+                            device=next(self.model.parameters()).device)
+        if dist.get_world_size() > 1:
+            dist.broadcast(late, src=0)
+        return bool(late.item())
 
     def _header(self, request: Request) -> dict:
         return {"id": request.id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
 
     def _run(self, request: Request) -> None:
-        """Generate for one request (every rank); rank 0 posts the events."""
-        stats, completions = GenerationStats(), []
+        """Generate for one request (every rank); rank 0 posts the events and logs it."""
+        stats, completions, timed_out = GenerationStats(), [], False
         post = request.events.put if dist.get_rank() == 0 else (lambda event: None)
+        start = time.perf_counter()
         for completions in complete(self.model, self.tokenizer, request.prompts, request.params,
                                     request.stop, stats):
             if request.stream:
                 deltas = [c.take_delta() for c in completions]
                 post(("delta", [_choice(i, d, None) for i, d in enumerate(deltas) if d]))
+            if self._timed_out(start):
+                timed_out = True
+                break
         choices = [_choice(i, c.take_delta(final=True) if request.stream else c.text,
-                           c.finish_reason) for i, c in enumerate(completions)]
+                           c.finish_reason or "length") for i, c in enumerate(completions)]
         usage = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
                  "total_tokens": stats.prompt_tokens + stats.new_tokens}
-        post(("done", choices, usage))
+        warning = f"stopped after --request-timeout {self.limits.request_timeout} s" \
+            if timed_out else None
+        post(("done", choices, usage, warning))
+        if dist.get_rank() == 0:
+            print(f"{request.id}: {len(request.prompts)} prompt(s), {stats.prompt_tokens} tokens "
+                  f"in, {stats.new_tokens} out, {time.perf_counter() - start:.2f} s"
+                  + (" (timed out)" if timed_out else ""), flush=True)
 
     def _next_request(self) -> Request | str:
         """Rank 0 takes the next queued request ("idle" after IDLE_TICK_S, "stop" for None)
@@ -158,7 +215,7 @@ class CompletionServer:
             except ValueError:
                 return error(400, "body is not valid JSON")
             try:
-                request = parse_request(body, self.tokenizer, context)
+                request = parse_request(body, self.tokenizer, context, self.limits)
             except BadRequest as bad:
                 return error(400, str(bad))
             self.requests.put(request)
@@ -174,7 +231,9 @@ class CompletionServer:
             if event[0] == "error":
                 return JSONResponse({"error": {"message": event[1]}}, status_code=400)
             if event[0] == "done":
-                return {**self._header(request), "choices": event[1], "usage": event[2]}
+                warning = {"warning": event[3]} if event[3] else {}
+                return {**self._header(request), "choices": event[1], "usage": event[2],
+                        **warning}
 
     def _sse(self, request: Request) -> Iterator[str]:
         for event in self._events(request):
@@ -184,7 +243,9 @@ class CompletionServer:
             choices = event[1]
             if event[0] == "delta" and not choices:
                 continue
-            yield f"data: {json.dumps({**self._header(request), 'choices': choices})}\n\n"
+            warning = {"warning": event[3]} if event[0] == "done" and event[3] else {}
+            chunk = {**self._header(request), "choices": choices, **warning}
+            yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
 
@@ -193,10 +254,26 @@ async def _in_thread(fn, *args):
     return await run_in_threadpool(fn, *args)
 
 
-def serve_http(server: CompletionServer, host: str, port: int) -> threading.Thread:
-    """Start uvicorn for `server.app()` in a daemon thread (rank 0)."""
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port; ValueError naming --port/--host when it cannot
+    (taken, or not an address of this machine)."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(128)
+    except OSError as error:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there "
+                         f"({error.strerror or error})") from None
+    return sock
+
+
+def serve_http(server: CompletionServer, sock: socket.socket) -> threading.Thread:
+    """Start uvicorn for `server.app()` on the listening `sock` in a daemon thread (rank 0)."""
     import uvicorn
-    config = uvicorn.Config(server.app(), host=host, port=port, log_level="warning")
-    thread = threading.Thread(target=uvicorn.Server(config).run, daemon=True)
+    config = uvicorn.Config(server.app(), log_level="warning")
+    thread = threading.Thread(target=uvicorn.Server(config).run, kwargs={"sockets": [sock]},
+                              daemon=True)
     thread.start()
     return thread
