@@ -109,4 +109,4 @@ def test_planner_splits_activations_and_counts_sp_collectives():
     comm_sp = with_sp.comm("first")
     assert comm_sp["SP all-gather"][1] == (LAYERS * 4 + 2) * sbh // 2 * FP32
     assert comm_sp["SP reduce-scatter"][1] == (LAYERS * 4 + 1) * sbh * FP32
-    assert "TP all-reduce" in plain.comm("first") and with_cp.gpus == 4
+    assert "TP all-reduce" in plain.comm("first") and with_cp.layout.world_size == 4
