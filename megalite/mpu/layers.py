@@ -218,6 +218,7 @@ class VocabParallelEmbedding(nn.Module):
         num_real = min(max(num_embeddings - self.vocab_start, 0), per_rank)
         self.num_padding_rows = per_rank - num_real
         self.weight.unpadded_rows = num_embeddings
+        self.weight.local_padding_rows = self.num_padding_rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight.shape[0] == self.padded_num_embeddings:
@@ -241,26 +242,37 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _MaskVocabPadding(torch.autograd.Function):
-    """Set the last `n` (padding) columns of the logits to -inf in place, and zero their grad.
+    """Set the last `n` (padding) columns of the logits to -inf in place; the grad passes
+    through unchanged.
 
     Cheaper than computing the real columns and concatenating -inf ones (a full copy of
     the logits): the padding rows of the weight are zero, so their columns cost a few
-    extra matmul rows, and with zero grad there the weight's padding rows get zero grad.
+    extra matmul rows and add nothing to the hidden states' grad. Softmax-based losses give
+    those columns exact zero grads; whatever another loss gives them reaches only the
+    weight's padding rows, whose grads `zero_vocab_padding_grads` clears once per step
+    (checking here would read the grad on the host in every backward).
     """
 
     @staticmethod
     def forward(ctx, logits, n):
-        ctx.n = n
-        logits[..., -n:] = float("-inf")
+        logits[..., -n:].fill_(float("-inf"))
         ctx.mark_dirty(logits)
         return logits
 
     @staticmethod
     def backward(ctx, grad):
-        if grad[..., -ctx.n:].any():  # softmax-based losses already give exact zeros
-            grad = grad.clone()
-            grad[..., -ctx.n:] = 0
         return grad, None
+
+
+def zero_vocab_padding_grads(params: list[nn.Parameter]) -> None:
+    """Zero the grads (`main_grad` when present, else `grad`) of the vocabulary padding rows
+    of output-layer weights (`local_padding_rows`, the last rows of this rank's shard), so
+    the optimizer keeps them zero. No communication."""
+    for param in params:
+        rows = getattr(param, "local_padding_rows", 0)
+        grad = getattr(param, "main_grad", param.grad)
+        if rows and grad is not None:
+            grad[-rows:].zero_()
 
 
 def _is_sharded(param: torch.Tensor, size: int) -> bool:
