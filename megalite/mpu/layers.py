@@ -1,8 +1,9 @@
 """Tensor-parallel layers: vocab-parallel embedding, column- and row-parallel linear.
 
 The linear layers' weight grads can be deferred (`megalite.mpu.weight_grad`, for the
-zero-bubble pipeline schedules). Weights are initialised at full size with the caller's RNG
-and then sliced, so the same seed gives the same full weights for any TP size. Sharded
+zero-bubble pipeline schedules). Weights are drawn at full size on the CPU (from the
+`megalite.mpu.random.seeded` scope's generator, else the global one) and then sliced, so the
+same seed gives the same full weights for any TP size and any device. Sharded
 parameters carry `tensor_model_parallel = True`, `partition_dim`, `partition_stride` (the full tensor is
 `stride` blocks along that dim, each split over the shards: SwiGLU's [gate; up]) and
 `tp_replicas` (consecutive TP ranks holding the same shard: GQA with fewer KV groups than
@@ -25,6 +26,7 @@ from megalite.mpu.mappings import (copy_to_tensor_model_parallel_region,
                                    reduce_from_tensor_model_parallel_region,
                                    reduce_scatter_to_sequence_parallel_region,
                                    scatter_to_tensor_model_parallel_region)
+from megalite.mpu.random import init_generator
 from megalite.mpu.weight_grad import linear
 
 InitMethod = Callable[[torch.Tensor], None]
@@ -32,7 +34,7 @@ InitMethod = Callable[[torch.Tensor], None]
 
 def init_method_normal(std: float) -> InitMethod:
     def init_(tensor: torch.Tensor) -> None:
-        nn.init.normal_(tensor, mean=0.0, std=std)
+        nn.init.normal_(tensor, mean=0.0, std=std, generator=init_generator())
     return init_
 
 

@@ -1,0 +1,116 @@
+"""Weight initialisation from private CPU generators, and RNG states that move between devices.
+
+A model's weights are drawn on the CPU from a generator seeded per part of the model
+(crc32 of "seed:part"), so they equal what an explicit torch.Generator gives, whatever the
+global RNG did before and whatever the TP size; building a model neither reads nor changes
+the global RNG (no torch.manual_seed: on a GPU that would reseed every CUDA generator).
+A checkpoint whose RNG states come from a CUDA run resumes on CPU with one printed line.
+"""
+import contextlib
+import io
+import math
+import zlib
+
+import torch
+
+from megalite.checkpoint_io import load_state, save_state
+from megalite.checkpointing import iteration_dir, rank_state_path
+from megalite.config import ModelConfig
+from megalite.models import GPTModel
+from megalite.models.sharding import full_state_dict
+from megalite.mpu import initialize_model_parallel
+from tests.gpt_run import make_dataset, tiny_args, train
+from tests.multirank import run_on_ranks
+
+SEED, STD = 1234, 0.02
+CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97,
+                     max_position_embeddings=16, init_method_std=STD)
+
+
+def _generator(part: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(f"{SEED}:{part}".encode()))
+
+
+def _expected() -> dict[str, torch.Tensor]:
+    """Weights drawn directly from explicit generators, in each part's order of draws."""
+    h, v = CONFIG.hidden_size, CONFIG.vocab_size
+    layer = _generator("layer.0")
+    qkv = torch.empty(3 * h, h).normal_(0, STD, generator=layer)
+    dense = torch.empty(h, h).normal_(0, STD / math.sqrt(2 * CONFIG.num_layers), generator=layer)
+    position = _generator("embedding.position")
+    torch.empty(16, h).normal_(generator=position)  # the draw nn.Embedding's constructor took
+    return {"embedding.word_embeddings.weight": torch.empty(v, h).normal_(
+                0, STD, generator=_generator("embedding.word")),
+            "embedding.position_embeddings.weight": torch.empty(16, h).normal_(
+                0, STD, generator=position),
+            "encoder.layers.0.self_attention.query_key_value.weight": qkv,
+            "encoder.layers.0.self_attention.dense.weight": dense}
+
+
+def _forbidden(*args, **kwargs):
+    raise AssertionError("building a model touched the global RNG")
+
+
+def _build_twice(tp: int) -> dict:
+    """Full weights of two builds with unrelated RNG use before each, and whether the global
+    RNG state stayed as it was (torch.manual_seed and friends made to fail meanwhile)."""
+    initialize_model_parallel(tp, 1)
+    builds, untouched = [], True
+    for _ in range(2):
+        torch.manual_seed(0)
+        torch.rand(5)
+        before = torch.get_rng_state()
+        with contextlib.ExitStack() as stack:
+            for owner, name in ((torch, "manual_seed"), (torch, "set_rng_state"),
+                                (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all"),
+                                (torch.random, "fork_rng")):
+                original = getattr(owner, name)
+                setattr(owner, name, _forbidden)
+                stack.callback(setattr, owner, name, original)
+            model = GPTModel(CONFIG, init_seed=SEED)
+        untouched &= torch.equal(before, torch.get_rng_state())
+        builds.append(full_state_dict(model))
+    return {"builds": builds, "untouched": untouched}
+
+
+def test_weights_come_from_private_generators_whatever_the_tp_size():
+    want = _expected()
+    results = run_on_ranks(1, _build_twice, 1) + run_on_ranks(2, _build_twice, 2)
+    for result in results:
+        assert result["untouched"]
+        first, second = result["builds"]
+        assert first.keys() == second.keys()
+        assert all(torch.equal(first[k], second[k]) for k in first)
+        for name, value in want.items():
+            assert torch.equal(first[name], value), name
+    assert all(torch.equal(results[0]["builds"][0][k], v)
+               for result in results[1:] for k, v in result["builds"][0].items())
+
+
+def _resume_from_a_cuda_run(prefix: str, root: str) -> tuple[str, list[int]]:
+    """Train 2 steps, tag the saved RNG states as a CUDA run's (CUDA-sized generator states),
+    resume to step 3: (the resumed run's output, its iterations)."""
+    train(tiny_args(prefix, root, 2, "--dp", "2"))
+    rank = torch.distributed.get_rank()
+    path = rank_state_path(iteration_dir(root, 2), rank)
+    torch.distributed.barrier()
+    state = load_state(path)
+    cuda_state = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's: seed and offset
+    state["rng"].update(device_type="cuda", cuda=cuda_state,
+                        tracker={k: cuda_state.clone() for k in state["rng"]["tracker"]})
+    save_state(path, state)
+    torch.distributed.barrier()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        losses = train(tiny_args(prefix, root, 3, "--dp", "2", "--load", root))
+    return out.getvalue(), sorted(losses)
+
+
+def test_checkpoint_rng_from_a_cuda_run_resumes_on_cpu_with_one_line(tmp_path):
+    prefix = make_dataset(str(tmp_path))
+    results = run_on_ranks(2, _resume_from_a_cuda_run, prefix, str(tmp_path / "ck"))
+    lines = [line for log, _ in results for line in log.splitlines()
+             if "RNG states are from a cuda run" in line]
+    assert lines == ["checkpoint RNG states are from a cuda run, this run is on cpu: torch's "
+                     "RNG streams start from --seed"], [log for log, _ in results]
+    assert all(iterations == [3] for _, iterations in results)
