@@ -4,7 +4,9 @@ A model's weights are drawn on the CPU from a generator seeded per part of the m
 (crc32 of "seed:part"), so they equal what an explicit torch.Generator gives, whatever the
 global RNG did before and whatever the TP size; building a model neither reads nor changes
 the global RNG (no torch.manual_seed: on a GPU that would reseed every CUDA generator).
-A checkpoint whose RNG states come from a CUDA run resumes on CPU with one printed line.
+The TP layers draw the full tensor a block of rows at a time, which gives exactly the values
+of one full draw. A checkpoint whose RNG states come from a CUDA run resumes on CPU with one
+printed line.
 """
 import contextlib
 import io
@@ -18,7 +20,9 @@ from megalite.checkpointing import iteration_dir, rank_state_path
 from megalite.config import ModelConfig
 from megalite.models import GPTModel
 from megalite.models.sharding import full_state_dict
-from megalite.mpu import initialize_model_parallel
+from megalite.mpu import initialize_model_parallel, layers
+from megalite.mpu.layers import init_method_normal
+from megalite.mpu.random import seeded
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 
@@ -114,3 +118,24 @@ def test_checkpoint_rng_from_a_cuda_run_resumes_on_cpu_with_one_line(tmp_path):
     assert lines == ["checkpoint RNG states are from a cuda run, this run is on cpu: torch's "
                      "RNG streams start from --seed"], [log for log, _ in results]
     assert all(iterations == [3] for _, iterations in results)
+
+
+def test_tp_init_in_blocks_of_rows_gives_the_values_of_one_full_draw(monkeypatch):
+    """Every rank's shard, drawn a few rows at a time (no full tensor held), is its slice of
+    one normal draw over the whole tensor, for row and column splits, SwiGLU's strided
+    [gate; up], GQA replicas and vocabulary padding rows (zero)."""
+    monkeypatch.setattr(layers, "_INIT_BLOCK_ELEMENTS", 48)  # blocks of 16 rows here
+    cases = [((96, 32), 0, 4, 1, 1, None), ((32, 96), 1, 4, 1, 1, None),
+             ((64, 7), 0, 2, 2, 1, None), ((40, 3), 0, 4, 1, 2, None),
+             ((256, 5), 0, 2, 1, 1, 97), ((100, 1), 0, 1, 1, 1, None),
+             ((61, 3), 1, 1, 1, 1, None), ((3, 5), 0, 1, 1, 1, None)]
+    for shape, dim, size, stride, replicas, init_rows in cases:
+        full = torch.zeros(shape)
+        rows = shape[0] if init_rows is None else init_rows
+        full[:rows].normal_(0, STD, generator=torch.Generator().manual_seed(9))
+        want = layers._split_shards(full, dim, stride, size // replicas)
+        for rank in range(size):
+            with seeded(9):
+                got = layers._sharded_parameter(shape, dim, size, rank, init_method_normal(STD),
+                                                torch.float32, None, stride, replicas, init_rows)
+            assert torch.equal(got.detach(), want[rank // replicas]), (shape, dim, rank)
