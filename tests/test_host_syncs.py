@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pretrain_gpt
 from megalite.config import parse_configs
+from megalite.device import current_device
 from megalite.models import GPTModel
 from megalite.task import Task
 from tests.multirank import run_on_ranks
@@ -104,7 +105,7 @@ class _CountedTask(Task):
 
     def model_provider(self, configs, pre_process, post_process):
         return GPTModel(configs.model, pre_process=pre_process, post_process=post_process,
-                        init_seed=configs.train.seed)
+                        init_seed=configs.train.seed, device=current_device())
 
     def forward_step(self, data_iterator, model):
         return pretrain_gpt.forward_step(data_iterator, model)

@@ -1,12 +1,12 @@
 """Weight initialisation from private CPU generators, and RNG states that move between devices.
 
 A model's weights are drawn on the CPU from a generator seeded per part of the model
-(crc32 of "seed:part"), so they equal what an explicit torch.Generator gives, whatever the
-global RNG did before and whatever the TP size; building a model neither reads nor changes
-the global RNG (no torch.manual_seed: on a GPU that would reseed every CUDA generator).
-The TP layers draw the full tensor a block of rows at a time, which gives exactly the values
-of one full draw. A checkpoint whose RNG states come from a CUDA run resumes on CPU with one
-printed line.
+(crc32 of "seed:part") and then moved to the model's device, so they equal what an explicit
+torch.Generator gives, whatever the global RNG did before, the TP size and the device;
+building a model neither reads nor changes the global RNG (no torch.manual_seed: on a GPU
+that would reseed every CUDA generator). The TP layers draw the full tensor a block of rows
+at a time, which gives exactly the values of one full draw. A checkpoint whose RNG states
+come from a run on another device type (CUDA, on CPU) resumes with one printed line.
 """
 import contextlib
 import io
@@ -18,11 +18,12 @@ import torch
 from megalite.checkpoint_io import load_state, save_state
 from megalite.checkpointing import iteration_dir, rank_state_path
 from megalite.config import ModelConfig
+from megalite.device import current_device, device_type
 from megalite.models import GPTModel
 from megalite.models.sharding import full_state_dict
 from megalite.mpu import initialize_model_parallel, layers
 from megalite.mpu.layers import init_method_normal
-from megalite.mpu.random import seeded
+from megalite.mpu.random import MODEL_PARALLEL_RNG, seeded
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 
@@ -71,7 +72,7 @@ def _build_twice(tp: int) -> dict:
                 original = getattr(owner, name)
                 setattr(owner, name, _forbidden)
                 stack.callback(setattr, owner, name, original)
-            model = GPTModel(CONFIG, init_seed=SEED)
+            model = GPTModel(CONFIG, init_seed=SEED, device=current_device())
         untouched &= torch.equal(before, torch.get_rng_state())
         builds.append(full_state_dict(model))
     return {"builds": builds, "untouched": untouched}
@@ -91,17 +92,25 @@ def test_weights_come_from_private_generators_whatever_the_tp_size():
                for result in results[1:] for k, v in result["builds"][0].items())
 
 
-def _resume_from_a_cuda_run(prefix: str, root: str) -> tuple[str, list[int]]:
-    """Train 2 steps, tag the saved RNG states as a CUDA run's (CUDA-sized generator states),
+def _other_device_states() -> dict:
+    """The RNG entries a checkpoint of a run on the other device type holds (CPU <-> CUDA)."""
+    if device_type() == "cuda":
+        cpu_state = torch.get_rng_state()
+        return {"device_type": "cpu", "tracker": {MODEL_PARALLEL_RNG: cpu_state}}
+    cuda_state = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's: seed and offset
+    return {"device_type": "cuda", "cuda": cuda_state,
+            "tracker": {MODEL_PARALLEL_RNG: cuda_state.clone()}}
+
+
+def _resume_from_another_device(prefix: str, root: str) -> tuple[str, list[int]]:
+    """Train 2 steps, make the saved RNG states those of a run on the other device type,
     resume to step 3: (the resumed run's output, its iterations)."""
     train(tiny_args(prefix, root, 2, "--dp", "2"))
-    rank = torch.distributed.get_rank()
-    path = rank_state_path(iteration_dir(root, 2), rank)
+    path = rank_state_path(iteration_dir(root, 2), torch.distributed.get_rank())
     torch.distributed.barrier()
     state = load_state(path)
-    cuda_state = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's: seed and offset
-    state["rng"].update(device_type="cuda", cuda=cuda_state,
-                        tracker={k: cuda_state.clone() for k in state["rng"]["tracker"]})
+    state["rng"].pop("cuda", None)
+    state["rng"].update(_other_device_states())
     save_state(path, state)
     torch.distributed.barrier()
     out = io.StringIO()
@@ -110,13 +119,15 @@ def _resume_from_a_cuda_run(prefix: str, root: str) -> tuple[str, list[int]]:
     return out.getvalue(), sorted(losses)
 
 
-def test_checkpoint_rng_from_a_cuda_run_resumes_on_cpu_with_one_line(tmp_path):
+def test_checkpoint_rng_from_another_device_type_resumes_with_one_line(tmp_path):
+    """On CPU: a checkpoint of a CUDA run (CUDA-sized generator states) resumes."""
     prefix = make_dataset(str(tmp_path))
-    results = run_on_ranks(2, _resume_from_a_cuda_run, prefix, str(tmp_path / "ck"))
-    lines = [line for log, _ in results for line in log.splitlines()
-             if "RNG states are from a cuda run" in line]
-    assert lines == ["checkpoint RNG states are from a cuda run, this run is on cpu: torch's "
-                     "RNG streams start from --seed"], [log for log, _ in results]
+    results = run_on_ranks(2, _resume_from_another_device, prefix, str(tmp_path / "ck"))
+    here = device_type()
+    other = "cpu" if here == "cuda" else "cuda"
+    lines = [line for log, _ in results for line in log.splitlines() if "RNG states" in line]
+    assert lines == [f"checkpoint RNG states are from a {other} run, this run is on {here}: "
+                     f"torch's RNG streams start from --seed"], [log for log, _ in results]
     assert all(iterations == [3] for _, iterations in results)
 
 
