@@ -37,6 +37,7 @@ from megalite.checkpoint_io import (CheckpointFileError, fsync_dir, load_state, 
                                     read_tensors, safetensors_shapes, save_state, state_files,
                                     write_json, write_tensors)
 from megalite.config import ModelConfig
+from megalite.device import device_type
 from megalite.models.sharding import full_state_dict, unwrap
 from megalite.models.spec import stage_of
 from megalite.mpu import comm
@@ -86,16 +87,30 @@ def current_layout() -> dict:
 
 
 def _rng_state() -> dict:
+    """Python's, numpy's and the CPU generator's states, and under "device_type" the type of
+    the device whose states follow: its default generator's ("cuda", on GPUs) and the
+    model-parallel tracker's streams."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "cpu": torch.get_rng_state(), "tracker": get_rng_tracker().get_states()}
-    if torch.cuda.is_available():
+             "cpu": torch.get_rng_state(), "device_type": get_rng_tracker().device_type,
+             "tracker": get_rng_tracker().get_states()}
+    if device_type() == "cuda":
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def _set_rng_state(state: dict) -> None:
+    """Restore `_rng_state()`. From a run on another device type (a checkpoint moved between
+    CPU and GPU) only Python's and numpy's states: torch's generators keep their seeding from
+    --seed, and rank 0 says so in one line."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
+    saved = state.get("device_type", "cpu")  # checkpoints before the tag come from CPU runs
+    if saved != get_rng_tracker().device_type:
+        if dist.get_rank() == 0:
+            print(f"checkpoint RNG states are from a {saved} run, this run is on "
+                  f"{get_rng_tracker().device_type}: torch's RNG streams start from --seed",
+                  flush=True)
+        return
     torch.set_rng_state(state["cpu"])
     get_rng_tracker().set_states(state["tracker"])
     if "cuda" in state:

@@ -54,12 +54,15 @@ class SkipGuard:
 
 
 class ExitSignalHandler:
-    """While entered, SIGTERM only sets a flag; `stop_requested()` (a MAX all-reduce over the
-    world, every rank calls it once per step) is True on every rank once any rank got one."""
+    """While entered, SIGTERM only sets a flag. Once per step every rank calls `flag()` (a MAX
+    all-reduce over the world, left on the device), reads it on the host with the step's
+    other scalars and hands the value to `settle`; `stop_requested` is then True on every
+    rank once any rank got one."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.received, self._previous = False, None
+        self.stop_requested = False
 
     def _handle(self, signum, frame) -> None:
         self.received = True
@@ -73,12 +76,17 @@ class ExitSignalHandler:
         if self.enabled:
             signal.signal(signal.SIGTERM, self._previous)
 
-    def stop_requested(self, device: torch.device) -> bool:
-        if not self.enabled:
-            return False
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        comm.all_reduce(flag, dist.group.WORLD, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def flag(self, device: torch.device) -> torch.Tensor:
+        """[1] on `device`: 1.0 on every rank once any rank got SIGTERM (always 0.0, without
+        communication, when disabled)."""
+        flag = torch.full((1,), 1.0 if self.received else 0.0, device=device)
+        if self.enabled:
+            comm.all_reduce(flag, dist.group.WORLD, op=dist.ReduceOp.MAX)
+        return flag
+
+    def settle(self, flag: float) -> None:
+        """Take the host value of this step's `flag()`."""
+        self.stop_requested = flag > 0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import functools
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,50 +83,64 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
 
 def run_schedule(forward_step_func: Callable, data_iterator: Iterator, model: list,
                  configs: Configs, layout: RunLayout, forward_only: bool,
-                 loss_scale: float = 1.0) -> list[dict]:
-    """All microbatches of one step through the grid's pipeline schedule; per-microbatch losses."""
+                 loss_scale: float = 1.0, loss_keys: Sequence[str] | None = None) -> list[dict]:
+    """All microbatches of one step through the grid's pipeline schedule; per-microbatch
+    losses on the device (only `loss_keys` when given; see executor.forward_backward)."""
     return get_forward_backward_func(layout.schedule.name)(
         forward_step_func=forward_step_func, data_iterator=data_iterator,
         model=model if len(model) > 1 else model[0], num_microbatches=layout.num_microbatches,
         seq_length=configs.train.seq_length, micro_batch_size=configs.train.micro_batch_size,
-        forward_only=forward_only, loss_scale=loss_scale)
+        forward_only=forward_only, loss_scale=loss_scale, loss_keys=loss_keys)
 
 
 def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list, optimizer,
-               configs: Configs, layout: RunLayout, loss_key: str = "lm loss"
-               ) -> tuple[float, bool, float | None]:
+               configs: Configs, layout: RunLayout, loss_key: str = "lm loss",
+               signals: ExitSignalHandler | None = None) -> tuple[float, bool, float | None]:
     """One optimizer step over all microbatches: (mean `loss_key` value on every rank, stepped,
     grad norm). The loss is the same on every rank (shared over PP, averaged over DP), so a
-    NaN/Inf loss anywhere skips the step everywhere, as a non-finite grad norm does."""
+    NaN/Inf loss anywhere skips the step everywhere, as a non-finite grad norm does.
+
+    The step's one host sync reads, in one transfer, the loss, the grad statistics
+    (`optimizer.grad_stats`) and, with `signals`, the SIGTERM flag agreed over the world
+    (`signals.stop_requested` afterwards).
+    """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = run_schedule(forward_step_func, data_iterator, model, configs, layout,
-                          forward_only=False, loss_scale=optimizer.loss_scale)
+                          forward_only=False, loss_scale=optimizer.loss_scale,
+                          loss_keys=(loss_key,))
     finalize_model_grads(model)
-    loss = _mean_over_data_parallel(losses, loss_key)
-    stepped, grad_norm = optimizer.step(loss_is_finite=math.isfinite(loss))
+    scalars = [_mean_over_data_parallel(losses, loss_key), optimizer.grad_stats().double()]
+    if signals is not None:
+        scalars.append(signals.flag(device.current_device()).double())
+    loss, grad_norm, found_inf, *flag = torch.cat(scalars).tolist()
+    if signals is not None:
+        signals.settle(flag[0])
+    stepped, grad_norm = optimizer.apply(grad_norm, found_inf > 0, math.isfinite(loss))
     return loss, stepped, grad_norm
 
 
-def _mean_over_data_parallel(losses: list[dict], key: str) -> float:
+def _mean_over_data_parallel(losses: list[dict], key: str) -> torch.Tensor:
     """Mean `key` value over this step's microbatches and the DP x CP group (visible on every
-    rank; CP ranks hold equal numbers of tokens, so this is the mean over all tokens)."""
+    rank; CP ranks hold equal numbers of tokens, so this is the mean over all tokens): [1]
+    fp64 on the device."""
     value = torch.stack([d[key].float().reshape(()) for d in losses]).mean().reshape(1)
     value = value.to(device.current_device())
     comm.all_reduce(value, ps.get_data_parallel_group(with_context_parallel=True))
-    return value.item() / ps.get_data_parallel_world_size(with_context_parallel=True)
+    return value.double() / ps.get_data_parallel_world_size(with_context_parallel=True)
 
 
-def _sum_over_data_parallel(losses: list[dict]) -> dict[str, float]:
-    """Every loss-dict value summed over this step's microbatches and the DP group (and
-    averaged over CP ranks, whose values are means over their own tokens)."""
+def _sum_over_data_parallel(losses: list[dict]) -> tuple[list[str], torch.Tensor]:
+    """(keys, every loss-dict value summed over this step's microbatches and the DP group,
+    and averaged over CP ranks, whose values are means over their own tokens: [keys] on the
+    device)."""
     keys = list(losses[0])
     sums = torch.stack([torch.stack([d[k].float().reshape(()) for k in keys])
                         for d in losses]).sum(0).to(device.current_device())
     comm.all_reduce(sums, ps.get_data_parallel_group(with_context_parallel=True))
     sums /= ps.get_context_parallel_world_size()
-    return dict(zip(keys, sums.tolist()))
+    return keys, sums
 
 
 @torch.no_grad()
@@ -134,18 +148,19 @@ def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list,
              configs: Configs, layout: RunLayout, iters: int | None = None) -> dict[str, float]:
     """Every loss-dict value summed over `iters` (default --eval-iters) forward-only steps,
     their microbatches and the DP group: divide by iters x microbatches x DP for a mean, or
-    return counts (e.g. correct predictions) to sum them exactly."""
+    return counts (e.g. correct predictions) to sum them exactly. Summed on the device (in
+    fp64) and read by the host once."""
     for chunk in model:
         chunk.eval()
-    totals: dict[str, float] = {}
+    keys, totals = [], None
     for _ in range(configs.train.eval_iters if iters is None else iters):
         losses = run_schedule(forward_step_func, data_iterator, model, configs, layout,
                               forward_only=True)
-        for key, value in _sum_over_data_parallel(losses).items():
-            totals[key] = totals.get(key, 0.0) + value
+        keys, sums = _sum_over_data_parallel(losses)
+        totals = sums.double() if totals is None else totals + sums.double()
     for chunk in model:
         chunk.train()
-    return totals
+    return dict(zip(keys, totals.tolist())) if totals is not None else {}
 
 
 def default_save_interval(train_iters: int) -> int:
@@ -314,7 +329,7 @@ def _train_loop(run: Run, train_batches: Iterator) -> None:
         while run.iteration < t.train_iters:
             loss, stepped, grad_norm = train_step(
                 inject_faults(task.forward_step, run.iteration + 1), train_batches, run.model,
-                run.optimizer, configs, layout, task.loss_key)
+                run.optimizer, configs, layout, task.loss_key, signals)
             run.iteration += 1
             iteration = run.iteration
             run.losses[iteration] = loss
@@ -327,7 +342,7 @@ def _train_loop(run: Run, train_batches: Iterator) -> None:
             if t.eval_interval and (iteration % t.eval_interval == 0 or
                                     iteration == t.train_iters):
                 _validate(run)
-            signalled = signals.stop_requested(device.current_device())
+            signalled = signals.stop_requested
             exiting = signalled or bool(t.exit_interval) and iteration % t.exit_interval == 0
             # an interval save waits for an applied step; the last one happens regardless
             save_due = save_due or iteration % save_interval == 0

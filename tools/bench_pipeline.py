@@ -37,7 +37,7 @@ from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import pretrain_gpt  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.device import free_port, init_distributed  # noqa: E402
+from megalite.device import current_device, free_port, init_distributed  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
 from megalite.models.stage import build_model_chunks, sync_shared_embedding  # noqa: E402
 from megalite.mpu import destroy_model_parallel, initialize_model_parallel  # noqa: E402
@@ -131,11 +131,11 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     for layout in LAYOUTS:
         use_layout(layout)
         chunks[layout] = build_model_chunks(lambda pre_process, post_process: GPTModel(
-            config, pre_process, post_process, init_seed=args.seed))
+            config, pre_process, post_process, init_seed=args.seed, device=current_device()))
         sync_shared_embedding(chunks[layout])
     m, b = args.microbatches, args.micro_batch
     tokens = torch.randint(0, args.vocab, (m * b, args.seq + 1),
-                           generator=torch.Generator().manual_seed(args.seed))
+                           generator=torch.Generator().manual_seed(args.seed)).to(current_device())
     clock = ComputeClock()
     steps, losses = {}, {}
 
@@ -162,7 +162,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     for name, (cls, layout) in PEERS.items():
         v_shape = LAYOUTS[layout][1]
         stages = [PipelineStage(PeerStage(chunk), (2 * P - 1 - rank if v_shape else P + rank)
-                                if c else rank, P * len(chunks[layout]), torch.device("cpu"))
+                                if c else rank, P * len(chunks[layout]), current_device())
                   for c, chunk in enumerate(chunks[layout])]
         for stage in stages:
             clock.wrap(stage, PEER_COMPUTE)

@@ -5,6 +5,8 @@
 logits tied to the word embedding plus a vocab-parallel bias (BertForMaskedLM); only
 this head shares the word embedding between the first and the last stage.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,7 @@ from megalite.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megalite.mpu.layers import (VocabParallelEmbedding, init_method_normal,
                                  set_tensor_model_parallel_attributes)
 from megalite.mpu.mappings import gather_from_sequence_parallel_region
+from megalite.mpu.random import init_generator
 
 HEADS = ("classification", "mlm")
 
@@ -24,10 +27,18 @@ def replicated_linear(config: ModelConfig, in_features: int, out_features: int,
                       params_dtype: torch.dtype, device, sequence_parallel: bool = False
                       ) -> nn.Linear:
     """nn.Linear kept whole on every TP rank: normal(std) weight, zero bias (applied to s/t
-    tokens with `sequence_parallel`, so its grads are TP-partial)."""
-    linear = nn.Linear(in_features, out_features, dtype=params_dtype, device=device)
-    init_method_normal(config.init_method_std)(linear.weight.data)
-    nn.init.zeros_(linear.bias)
+    tokens with `sequence_parallel`, so its grads are TP-partial). The weight is drawn in
+    params_dtype on the CPU from the seeded scope's generator, after skipping the draws
+    nn.Linear's own initialisation took when the weights came from the global generator (so
+    they stay what they were), then moved to `device`."""
+    generator = init_generator()
+    weight = torch.empty(out_features, in_features, dtype=params_dtype)
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
+    nn.init.uniform_(torch.empty(out_features, dtype=params_dtype), generator=generator)
+    init_method_normal(config.init_method_std)(weight)
+    linear = nn.Linear(in_features, out_features, device="meta")
+    linear.weight = nn.Parameter(weight.to(device))
+    linear.bias = nn.Parameter(torch.zeros(out_features, dtype=params_dtype, device=device))
     for param in linear.parameters():
         set_tensor_model_parallel_attributes(param, False)
         param.tp_grad_partial = sequence_parallel

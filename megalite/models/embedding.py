@@ -10,11 +10,15 @@ from megalite.mpu.layers import VocabParallelEmbedding, init_method_normal
 
 def _learned_embedding(rows: int, config: ModelConfig, init_seed: int, key: str,
                        params_dtype: torch.dtype, device) -> nn.Embedding:
-    """A TP-replicated nn.Embedding [rows, h], normal(std) from the (seed, key) scope."""
-    with init_scope(init_seed, key):
-        embedding = nn.Embedding(rows, config.hidden_size, dtype=params_dtype, device=device)
-        init_method_normal(config.init_method_std)(embedding.weight.data)
-    return embedding
+    """A TP-replicated nn.Embedding [rows, h], normal(std) in params_dtype on the CPU from the
+    (seed, key) scope's generator, then moved to `device`. The scope's first [rows, h] normal
+    draw is skipped: nn.Embedding's own initialisation took it when the weights were drawn
+    from the global generator, and the weights stay what they were."""
+    weight = torch.empty(rows, config.hidden_size, dtype=params_dtype)
+    with init_scope(init_seed, key) as generator:
+        nn.init.normal_(weight, generator=generator)
+        init_method_normal(config.init_method_std)(weight)
+    return nn.Embedding.from_pretrained(weight.to(device), freeze=False)
 
 
 class Embedding(nn.Module):

@@ -35,7 +35,8 @@ class GPTModel(TransformerStage):
                          layer_range=layer_range, init_seed=init_seed, group=group,
                          params_dtype=params_dtype, device=device,
                          sequence_parallel=sequence_parallel)
-        self.rotary = RotaryEmbedding(**vars(spec.rotary)) if spec.rotary else None
+        self.rotary = RotaryEmbedding(**vars(spec.rotary), device=device) if spec.rotary \
+            else None
         if post_process:
             self.final_layernorm = layer_norm(config, params_dtype, device,
                                               self.sequence_parallel)
@@ -58,8 +59,7 @@ class GPTModel(TransformerStage):
         if position_ids is None:
             split = self.tp_size if self.sequence_parallel else 1
             s = input_ids.shape[1] if input_ids is not None else self.input_tensor.shape[0] * split
-            device = self.rotary.inv_freq.device if input_ids is None else input_ids.device
-            position_ids = torch.arange(s, device=device).unsqueeze(0)
+            position_ids = torch.arange(s, device=self.rotary.inv_freq.device).unsqueeze(0)
         return self.rotary(position_ids)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,

@@ -6,7 +6,8 @@ from torch import nn
 
 from megalite.models.sharding import unwrap
 from megalite.mpu import comm, parallel_state
-from megalite.mpu.layers import VocabParallelEmbedding, allreduce_tp_partial_grads
+from megalite.mpu.layers import (VocabParallelEmbedding, allreduce_tp_partial_grads,
+                                 zero_vocab_padding_grads)
 from megalite.placement import Placement
 
 
@@ -101,9 +102,12 @@ def allreduce_shared_embedding_grads(model: nn.Module | list[nn.Module]) -> None
 def finalize_model_grads(model: list[nn.Module]) -> None:
     """Make every grad final after the last backward of a step (Megatron's name): finish the
     data-parallel reduction of wrapped chunks, sum the grads that TP ranks hold only in part
-    (KV groups replicated for GQA; TP group), and the tied embedding's (embedding group)."""
+    (KV groups replicated for GQA; TP group), and the tied embedding's (embedding group);
+    zero the vocabulary padding rows' grads."""
     for chunk in model:
         if hasattr(chunk, "finish_grad_sync"):
             chunk.finish_grad_sync()
-    allreduce_tp_partial_grads([p for chunk in model for p in chunk.parameters()])
+    params = [p for chunk in model for p in chunk.parameters()]
+    allreduce_tp_partial_grads(params)
     allreduce_shared_embedding_grads(model)
+    zero_vocab_padding_grads(params)

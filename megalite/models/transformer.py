@@ -28,9 +28,11 @@ Rotary = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def init_scope(seed: int, key: str):
-    """Seeded RNG scope for initialising the part of the model named `key`.
+    """Seeded scope (a private CPU generator, yielded) for initialising the part of the model
+    named `key`.
 
-    Every part's full weights depend only on (seed, key), whatever the TP/PP layout.
+    Every part's full weights depend only on (seed, key), whatever the TP/PP layout and the
+    device; the global RNG is never touched.
     """
     return seeded(zlib.crc32(f"{seed}:{key}".encode()))
 

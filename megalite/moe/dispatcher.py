@@ -2,9 +2,9 @@
 
 EP rank r owns experts [r * E_local, (r + 1) * E_local). `plan_dispatch` sorts this rank's
 (token, choice) pairs by expert (dropping those over capacity), exchanges the per-expert
-counts (all-to-all of E integers on the EP group) and fixes the variable splits; `dispatch`
-sends the permuted rows [N, h] and regroups what arrives by local expert; `combine`
-undoes both, weights each row by its router weight and sums the k rows of every token.
+counts (all-to-all of E integers on the EP group) and reads the variable splits on the host
+(the layer's one host sync: all-to-all takes them as host lists); `dispatch` sends the
+permuted rows [N, h] and regroups what arrives by local expert; `combine` undoes both, weights each row by its router weight and sums the k rows of every token.
 Backward of each all-to-all is the all-to-all with the splits swapped.
 """
 import math
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.moe.router import tokens_per_expert
 from megalite.mpu import comm
 
 
@@ -30,14 +31,14 @@ class _AllToAll(torch.autograd.Function):
 
 @dataclass
 class DispatchPlan:
-    """Where this rank's rows go and what comes back (all sizes host-side lists).
+    """Where this rank's rows go and what comes back.
 
     token_index [N]: source token of each kept (token, choice), sorted by expert;
-    weights [N]: their router weights; send_splits / recv_splits: rows per EP rank;
-    regroup [M]: received rows (ordered by source rank, then local expert) reordered by
-    local expert, then source rank; tokens_per_local_expert: rows each local expert gets;
-    tokens_per_expert [E]: kept choices per global expert from this rank; dropped: choices
-    over capacity.
+    weights [N]: their router weights; send_splits / recv_splits: rows per EP rank (host
+    lists, as all-to-all takes them); regroup [M]: received rows (ordered by source rank,
+    then local expert) reordered by local expert, then source rank; tokens_per_local_expert:
+    rows each local expert gets (host list); tokens_per_expert [E]: kept choices per global
+    expert from this rank; dropped []: choices over capacity. Tensors stay on the device.
     """
 
     token_index: torch.Tensor
@@ -47,7 +48,7 @@ class DispatchPlan:
     regroup: torch.Tensor
     tokens_per_local_expert: list[int]
     tokens_per_expert: torch.Tensor
-    dropped: int
+    dropped: torch.Tensor
 
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:
@@ -61,36 +62,53 @@ def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int
 
     With a `capacity`, each expert keeps the first `capacity` choices in token order (then
     choice order) of this rank's tokens; the rest are dropped (they add nothing to the output).
+    One host sync: the row counts, read once (see below); everything else stays on the device.
     """
     num_tokens, topk = indices.shape
     flat_expert = indices.reshape(-1)
     order = torch.sort(flat_expert, stable=True).indices
-    counts = torch.bincount(flat_expert, minlength=num_experts)
-    dropped = 0
-    if capacity is not None:
-        starts = counts.cumsum(0) - counts
-        position = torch.arange(order.numel(), device=order.device) - starts[flat_expert[order]]
-        keep = position < capacity
-        dropped = int((~keep).sum())
-        order, counts = order[keep], counts.clamp(max=capacity)
+    counts = tokens_per_expert(indices, num_experts)
+    kept = counts if capacity is None else counts.clamp(max=capacity)
     ep = comm.world_size(group)
     local = num_experts // ep
-    recv_counts = comm.all_to_all_single(counts, [local] * ep, [local] * ep, group,
-                                         kind="all_to_all_counts").view(ep, local)
-    recv = recv_counts.tolist()
-    starts = recv_counts.reshape(-1).cumsum(0) - recv_counts.reshape(-1)
-    starts = starts.view(ep, local).tolist()
-    regroup = [torch.arange(starts[src][e], starts[src][e] + recv[src][e])
-               for e in range(local) for src in range(ep)]
+    recv_counts = comm.all_to_all_single(kept, [local] * ep, [local] * ep, group,
+                                         kind="all_to_all_counts")
+    # The layer's one unavoidable host sync: all_to_all_single (gloo and NCCL) takes its
+    # split sizes as host lists, and the experts' matmuls their row counts. Read them in one
+    # transfer: rows sent to each EP rank, then rows received [ep, local].
+    sizes = torch.cat([kept.view(ep, local).sum(1), recv_counts]).tolist()
+    send_splits, received = sizes[:ep], sizes[ep:]
+    recv = [received[src * local:(src + 1) * local] for src in range(ep)]
+    if capacity is not None:
+        order = _keep_within_capacity(order, flat_expert, counts, capacity, sum(send_splits))
     return DispatchPlan(
         token_index=torch.div(order, topk, rounding_mode="floor"),
         weights=weights.reshape(-1)[order],
-        send_splits=counts.view(ep, local).sum(1).tolist(),
+        send_splits=send_splits,
         recv_splits=[sum(row) for row in recv],
-        regroup=torch.cat(regroup).to(indices.device) if regroup else
-        torch.zeros(0, dtype=torch.long, device=indices.device),
-        tokens_per_local_expert=recv_counts.sum(0).tolist(),
-        tokens_per_expert=counts, dropped=dropped)
+        regroup=_regroup(recv_counts, ep, local, sum(received)),
+        tokens_per_local_expert=[sum(column) for column in zip(*recv)],
+        tokens_per_expert=kept, dropped=(counts - kept).sum())
+
+
+def _keep_within_capacity(order: torch.Tensor, flat_expert: torch.Tensor, counts: torch.Tensor,
+                          capacity: int, num_kept: int) -> torch.Tensor:
+    """order [T * k] (choices sorted by expert) -> the `num_kept` of them within their expert's
+    first `capacity`, in the same order (a sort, not a boolean mask: no host sync)."""
+    starts = counts.cumsum(0) - counts
+    index = torch.arange(order.numel(), device=order.device)
+    position = index - starts[flat_expert[order]]
+    dropped_last = torch.where(position < capacity, index, index + order.numel())
+    return order[torch.sort(dropped_last).indices[:num_kept]]
+
+
+def _regroup(recv_counts: torch.Tensor, ep: int, local: int, num_rows: int) -> torch.Tensor:
+    """recv_counts [ep * local] (rows from each source rank for each local expert) -> [M]:
+    the received rows' order by local expert, then source rank (built on the device)."""
+    segment = torch.repeat_interleave(torch.arange(ep * local, device=recv_counts.device),
+                                      recv_counts, output_size=num_rows)
+    by_expert = segment % local * ep + torch.div(segment, local, rounding_mode="floor")
+    return torch.sort(by_expert, stable=True).indices
 
 
 def dispatch(x: torch.Tensor, plan: DispatchPlan, group=None) -> torch.Tensor:

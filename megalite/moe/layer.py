@@ -18,7 +18,7 @@ from megalite.mpu.layers import InitMethod, init_method_normal, \
 from megalite.mpu.mappings import (copy_to_tensor_model_parallel_region,
                                    reduce_from_tensor_model_parallel_region)
 from megalite.mpu.mlp import ParallelMLP
-from megalite.mpu.random import seeded
+from megalite.mpu.random import init_generator, seeded
 from megalite.mpu.weight_grad import linear
 
 
@@ -57,7 +57,8 @@ class MoELayer(nn.Module):
         self.capacity_factor = capacity_factor
         self.router = TopKRouter(hidden_size, num_experts, topk, score_function, renormalize,
                                  init_std, params_dtype, device)
-        seeds = torch.randint(0, 2 ** 31 - 1, (num_experts,)).tolist()
+        seeds = torch.randint(0, 2 ** 31 - 1, (num_experts,),
+                              generator=init_generator()).tolist()
         local = num_experts // ep
         first = local * (torch.distributed.get_rank(self.expert_group) if ep > 1 else 0)
         kw = dict(activation=activation, bias=False, init_method=init_method,

@@ -30,8 +30,13 @@ def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax
 
 
 def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Expert indices [T, k] -> how many of the T * k choices went to each expert [E]."""
-    return torch.bincount(indices.reshape(-1), minlength=num_experts)
+    """Expert indices [T, k] -> how many of the T * k choices went to each expert [E].
+
+    A scatter-add, not bincount: bincount reads the indices' range on the host (two device
+    syncs on GPUs)."""
+    flat = indices.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def load_balancing_loss(scores: torch.Tensor, indices: torch.Tensor, topk: int) -> torch.Tensor:

@@ -32,10 +32,11 @@ class MoEState:
         self.backward_scale = 1.0
         self.rows: dict[int, torch.Tensor] = {}
 
-    def record(self, layer: int, aux: torch.Tensor, z: torch.Tensor, dropped: int,
+    def record(self, layer: int, aux: torch.Tensor, z: torch.Tensor, dropped: torch.Tensor,
                tokens_per_expert: torch.Tensor) -> None:
-        row = torch.cat([torch.stack([aux.detach().float(), z.detach().float(),
-                                      torch.tensor(float(dropped), device=aux.device)]),
+        """Add one microbatch's scalars aux, z, dropped and tokens_per_expert [E] (all on the
+        device: nothing is read by the host until `reduce_step_stats`)."""
+        row = torch.cat([torch.stack([aux.detach().float(), z.detach().float(), dropped.float()]),
                          tokens_per_expert.float()])
         self.rows[layer] = self.rows.get(layer, 0) + row
 
@@ -79,7 +80,7 @@ def reduce_step_stats(states: list[MoEState], num_layers: int, num_experts: int,
     """This step's stats of a rank's chunks summed over layers (pipeline group) and DP ranks
     (data-parallel group): aux and z losses as the per-microbatch mean summed over layers (DP
     mean), dropped choices and tokens per expert as totals; imbalance = max / mean tokens
-    per expert, worst layer."""
+    per expert, worst layer (0 without MoE layers). One host read, of the four results."""
     table = torch.zeros(num_layers, 3 + num_experts, device=device)
     for state in states:
         for layer, row in state.rows.items():
@@ -87,9 +88,9 @@ def reduce_step_stats(states: list[MoEState], num_layers: int, num_experts: int,
     comm.all_reduce(table, pipeline_group)
     comm.all_reduce(table, data_parallel_group)
     dp = comm.world_size(data_parallel_group)
-    moe_rows = table[table[:, 3:].sum(1) > 0]
-    tokens = moe_rows[:, 3:]
-    imbalance = (tokens.max(1).values / tokens.mean(1)).max().item() if len(tokens) else 0.0
-    return {STAT_NAMES[0]: table[:, 0].sum().item() / (microbatches * dp),
-            STAT_NAMES[1]: table[:, 1].sum().item() / (microbatches * dp),
-            STAT_NAMES[2]: table[:, 2].sum().item(), "expert imbalance": imbalance}
+    tokens = table[:, 3:]
+    ratio = tokens.max(1).values / tokens.mean(1)  # NaN for dense layers (no tokens)
+    imbalance = torch.where(tokens.sum(1) > 0, ratio, 0.0).max()
+    aux, z, dropped, imbalance = torch.cat([table[:, :3].sum(0), imbalance.reshape(1)]).tolist()
+    return {STAT_NAMES[0]: aux / (microbatches * dp), STAT_NAMES[1]: z / (microbatches * dp),
+            STAT_NAMES[2]: dropped, "expert imbalance": imbalance}

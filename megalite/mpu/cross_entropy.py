@@ -5,10 +5,10 @@ logit (picked on the owning rank), SUM of the exp-sum. Backward is softmax - one
 the local shard, with no communication.
 
 The [tokens, V/tp] work is done in fp32 whatever the logits' dtype, a block of rows at a
-time (on CPU, blocks small enough to stay in cache): forward keeps only per-token
-statistics (max, exp-sum) and the logits themselves for backward, which recomputes the
-softmax block by block and writes the grad in the logits' dtype. No full-size fp32
-temporary is ever allocated.
+time (on CPU small enough to stay in cache, on GPUs big enough that kernel launches do not
+count): forward keeps only per-token statistics (max, exp-sum) and the logits themselves for
+backward, which recomputes the softmax block by block and writes the grad in the logits'
+dtype. No full-size fp32 temporary is ever allocated, on any device.
 """
 import torch
 
@@ -17,13 +17,14 @@ from megalite.mpu import comm, parallel_state
 # fp32 elements per block on CPU (16 MiB): stays in cache, and few enough blocks (8 for 4096
 # tokens x 8192) that a loaded machine pays few thread synchronisations.
 _CPU_BLOCK_ELEMENTS = 1 << 22
+# ... and on GPUs (64 MiB): a bounded temporary, each block's kernels far longer than a launch.
+_GPU_BLOCK_ELEMENTS = 1 << 24
 
 
 def _blocks(logits: torch.Tensor) -> range:
-    """Start rows of the blocks of logits [tokens, V/tp]; one block on GPUs."""
-    rows = logits.shape[0]
-    step = _CPU_BLOCK_ELEMENTS // max(1, logits.shape[1]) if logits.device.type == "cpu" else rows
-    return range(0, rows, max(step, 1))
+    """Start rows of the blocks of logits [tokens, V/tp]."""
+    elements = _CPU_BLOCK_ELEMENTS if logits.device.type == "cpu" else _GPU_BLOCK_ELEMENTS
+    return range(0, logits.shape[0], max(elements // max(1, logits.shape[1]), 1))
 
 
 def _shifted(logits: torch.Tensor, logits_max: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

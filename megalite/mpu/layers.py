@@ -1,15 +1,17 @@
 """Tensor-parallel layers: vocab-parallel embedding, column- and row-parallel linear.
 
 The linear layers' weight grads can be deferred (`megalite.mpu.weight_grad`, for the
-zero-bubble pipeline schedules). Weights are initialised at full size with the caller's RNG
-and then sliced, so the same seed gives the same full weights for any TP size. Sharded
-parameters carry `tensor_model_parallel = True`, `partition_dim`, `partition_stride` (the full tensor is
-`stride` blocks along that dim, each split over the shards: SwiGLU's [gate; up]) and
-`tp_replicas` (consecutive TP ranks holding the same shard: GQA with fewer KV groups than
-TP ranks); replicated ones carry `tensor_model_parallel = False`. A parameter whose copies
-each see only part of its gradient carries `tp_grad_partial = True`
-(see `allreduce_tp_partial_grads`): with sequence parallelism that includes every
-replicated parameter applied to s/t tokens (norm weights, the row-parallel bias).
+zero-bubble pipeline schedules). Weights are drawn at full size on the CPU (from the
+`megalite.mpu.random.seeded` scope's generator, else the global one), a bounded block of rows
+at a time, and each rank keeps its slice, so the same seed gives the same full weights for
+any TP size and any device. Sharded parameters carry `tensor_model_parallel = True`,
+`partition_dim`, `partition_stride` (the full tensor is `stride` blocks along that dim, each
+split over the shards: SwiGLU's [gate; up]) and `tp_replicas` (consecutive TP ranks holding
+the same shard: GQA with fewer KV groups than TP ranks); replicated ones carry
+`tensor_model_parallel = False`. A parameter whose copies each see only part of its gradient
+carries `tp_grad_partial = True` (see `allreduce_tp_partial_grads`): with sequence
+parallelism that includes every replicated parameter applied to s/t tokens (norm weights,
+the row-parallel bias).
 """
 import math
 from collections.abc import Callable
@@ -25,14 +27,20 @@ from megalite.mpu.mappings import (copy_to_tensor_model_parallel_region,
                                    reduce_from_tensor_model_parallel_region,
                                    reduce_scatter_to_sequence_parallel_region,
                                    scatter_to_tensor_model_parallel_region)
+from megalite.mpu.random import init_generator
 from megalite.mpu.weight_grad import linear
 
+# Fills a CPU tensor in place. The TP layers apply it to consecutive blocks of rows of the
+# full tensor, in order: it must draw every element on its own (as normal and uniform inits
+# do), from `init_generator()` inside a seeded scope.
 InitMethod = Callable[[torch.Tensor], None]
+# fp32 elements of one block of rows drawn by the TP weight initialisation (16 MiB)
+_INIT_BLOCK_ELEMENTS = 1 << 22
 
 
 def init_method_normal(std: float) -> InitMethod:
     def init_(tensor: torch.Tensor) -> None:
-        nn.init.normal_(tensor, mean=0.0, std=std)
+        nn.init.normal_(tensor, mean=0.0, std=std, generator=init_generator())
     return init_
 
 
@@ -69,16 +77,43 @@ def _group_info(group) -> tuple[object, int, int]:
     return group, size, rank
 
 
+def _row_blocks(rows: int, row_numel: int) -> list[tuple[int, int]]:
+    """[start, end) ranges covering `rows` rows of `row_numel` elements, about
+    _INIT_BLOCK_ELEMENTS each: every block but the last a multiple of 16 elements, the last at
+    least 16 (or the only one). Drawn in order with normal_, they hold exactly the values of
+    one draw over all rows: torch's CPU normal_ turns the stream into values 16 at a time and
+    redraws a last partial group as a whole group of 16."""
+    step = max(16, _INIT_BLOCK_ELEMENTS // max(row_numel, 1) // 16 * 16)
+    starts = list(range(0, rows, step))
+    if len(starts) > 1 and (rows - starts[-1]) * row_numel < 16:
+        starts.pop()
+    return list(zip(starts, starts[1:] + [rows]))
+
+
 def _sharded_parameter(full_shape: tuple[int, ...], partition_dim: int, size: int, rank: int,
                        init_method: InitMethod, dtype: torch.dtype, device, stride: int = 1,
-                       replicas: int = 1) -> nn.Parameter:
-    """Initialise the full tensor on CPU in fp32, keep this rank's shard along partition_dim
-    (one of size / replicas shards, `stride` blocks each split)."""
-    full = torch.empty(full_shape, dtype=torch.float32)
-    init_method(full)
+                       replicas: int = 1, init_rows: int | None = None) -> nn.Parameter:
+    """This rank's shard along partition_dim (one of size / replicas shards, `stride` blocks
+    each split) of the full fp32 tensor whose first `init_rows` rows (default: all)
+    `init_method` fills, the others zero. The full tensor is never held: it is drawn on the
+    CPU a block of rows at a time (`_row_blocks`) and each block's share kept."""
     shards = size // replicas
-    local = _split_shards(full, partition_dim, stride, shards)[rank // replicas]
-    param = nn.Parameter(local.to(device=device, dtype=dtype).contiguous())
+    index = _split_shards(torch.arange(full_shape[partition_dim]), 0, stride, shards)[
+        rank // replicas]
+    shape = list(full_shape)
+    shape[partition_dim] = len(index)
+    local = torch.zeros(shape)
+    rest = tuple(full_shape[1:])
+    for start, end in _row_blocks(full_shape[0] if init_rows is None else init_rows,
+                                  math.prod(rest)):
+        block = torch.empty((end - start,) + rest)
+        init_method(block)
+        if partition_dim == 0:
+            inside = (index >= start) & (index < end)
+            local[inside] = block[index[inside] - start]
+        else:
+            local[start:end] = block.index_select(partition_dim, index)
+    param = nn.Parameter(local.to(device=device, dtype=dtype))
     set_tensor_model_parallel_attributes(param, shards > 1, partition_dim, stride, replicas)
     return param
 
@@ -208,16 +243,13 @@ class VocabParallelEmbedding(nn.Module):
                                                     size)
         per_rank = self.padded_num_embeddings // size
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
-        init_method = init_method or init_method_normal(0.02)
-
-        def init_real_rows(full: torch.Tensor) -> None:
-            full.zero_()
-            init_method(full[:num_embeddings])
         self.weight = _sharded_parameter((self.padded_num_embeddings, embedding_dim), 0, size,
-                                         rank, init_real_rows, params_dtype, device)
+                                         rank, init_method or init_method_normal(0.02),
+                                         params_dtype, device, init_rows=num_embeddings)
         num_real = min(max(num_embeddings - self.vocab_start, 0), per_rank)
         self.num_padding_rows = per_rank - num_real
         self.weight.unpadded_rows = num_embeddings
+        self.weight.local_padding_rows = self.num_padding_rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight.shape[0] == self.padded_num_embeddings:
@@ -241,26 +273,37 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _MaskVocabPadding(torch.autograd.Function):
-    """Set the last `n` (padding) columns of the logits to -inf in place, and zero their grad.
+    """Set the last `n` (padding) columns of the logits to -inf in place; the grad passes
+    through unchanged.
 
     Cheaper than computing the real columns and concatenating -inf ones (a full copy of
     the logits): the padding rows of the weight are zero, so their columns cost a few
-    extra matmul rows, and with zero grad there the weight's padding rows get zero grad.
+    extra matmul rows and add nothing to the hidden states' grad. Softmax-based losses give
+    those columns exact zero grads; whatever another loss gives them reaches only the
+    weight's padding rows, whose grads `zero_vocab_padding_grads` clears once per step
+    (checking here would read the grad on the host in every backward).
     """
 
     @staticmethod
     def forward(ctx, logits, n):
-        ctx.n = n
-        logits[..., -n:] = float("-inf")
+        logits[..., -n:].fill_(float("-inf"))
         ctx.mark_dirty(logits)
         return logits
 
     @staticmethod
     def backward(ctx, grad):
-        if grad[..., -ctx.n:].any():  # softmax-based losses already give exact zeros
-            grad = grad.clone()
-            grad[..., -ctx.n:] = 0
         return grad, None
+
+
+def zero_vocab_padding_grads(params: list[nn.Parameter]) -> None:
+    """Zero the grads (`main_grad` when present, else `grad`) of the vocabulary padding rows
+    of output-layer weights (`local_padding_rows`, the last rows of this rank's shard), so
+    the optimizer keeps them zero. No communication."""
+    for param in params:
+        rows = getattr(param, "local_padding_rows", 0)
+        grad = getattr(param, "main_grad", param.grad)
+        if rows and grad is not None:
+            grad[-rows:].zero_()
 
 
 def _is_sharded(param: torch.Tensor, size: int) -> bool:

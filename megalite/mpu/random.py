@@ -1,10 +1,13 @@
-"""Model-parallel RNG and activation checkpointing that restores it.
+"""Model-parallel RNG, weight-initialisation generators and activation checkpointing that
+restores the RNG.
 
 The default generator is seeded identically on the TP ranks of a stage, so dropout
 outside TP regions (on replicated [s, b, h] activations) agrees across them. A second
 named stream, seeded `seed + 2718 + tp_rank` (Megatron's offset), drives dropout inside
 TP regions (attention probabilities of each rank's own heads), so it differs per rank.
-`checkpoint` saves both streams at forward and replays them on recompute.
+Both run on the compute device (`RNGStatesTracker.device_type`).
+`checkpoint` saves both streams at forward and replays them on recompute. Weights are drawn
+from private CPU generators (`seeded`, `init_generator`), never from these streams.
 """
 import contextlib
 from collections.abc import Callable, Iterator
@@ -30,21 +33,22 @@ def _set_state(state: torch.Tensor) -> None:
 
 
 class RNGStatesTracker:
-    """Named RNG streams on the compute device, swapped in with `fork(name)`."""
+    """Named RNG streams on the compute device (`device_type`: their states are that
+    device's generator states), swapped in with `fork(name)`."""
 
     def __init__(self) -> None:
         self.states: dict[str, torch.Tensor] = {}
+        self.device_type = device_type()
 
     def reset(self) -> None:
         self.states = {}
+        self.device_type = device_type()
 
     def add(self, name: str, seed: int) -> None:
+        """A stream seeded with `seed` (from a fresh generator: the global ones are untouched)."""
         if name in self.states:
             raise ValueError(f"RNG state {name!r} already exists")
-        saved = _get_state()
-        torch.manual_seed(seed) if device_type() == "cpu" else torch.cuda.manual_seed(seed)
-        self.states[name] = _get_state()
-        _set_state(saved)
+        self.states[name] = torch.Generator(self.device_type).manual_seed(seed).get_state()
 
     def get_states(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.states.items()}
@@ -82,16 +86,30 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0) -> None:
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank + 100 * pp_rank)
 
 
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Run the block on a CPU generator seeded with `seed`, leaving the global state untouched.
+_init_generator: torch.Generator | None = None
 
-    Used for weight initialisation so that every parameter's full value depends only on
-    (seed, its place in the model), never on the TP/PP layout.
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[torch.Generator]:
+    """Weight initialisation inside the block draws from a private CPU generator seeded with
+    `seed` (`init_generator()`, yielded too); the global generators, CPU and CUDA, are never
+    touched.
+
+    Every parameter's full value then depends only on (seed, its place in the model), never
+    on the TP/PP layout or the device: weights are drawn on the CPU and then moved.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
+    global _init_generator
+    outer, _init_generator = _init_generator, torch.Generator().manual_seed(seed)
+    try:
+        yield _init_generator
+    finally:
+        _init_generator = outer
+
+
+def init_generator() -> torch.Generator | None:
+    """The CPU generator of the innermost `seeded` block; None outside one (draws then use the
+    global CPU generator)."""
+    return _init_generator
 
 
 class _CheckpointFunction(torch.autograd.Function):

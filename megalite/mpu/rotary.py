@@ -26,22 +26,25 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_facto
 
 
 class RotaryEmbedding(nn.Module):
-    """position_ids [b, s] (or [1, s]) -> (cos, sin) [b, 1, s, d] in fp32, no parameters.
+    """position_ids [b, s] (or [1, s]) on the module's device -> (cos, sin) [b, 1, s, d] in
+    fp32, no parameters.
 
     `scaling`: None, or the keyword arguments of `llama3_scaled_inv_freq` (less inv_freq).
+    The frequencies are computed on the CPU (the same values on every device) and kept on
+    `device`.
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0, scaling: dict | None = None) -> None:
+    def __init__(self, head_dim: int, base: float = 10000.0, scaling: dict | None = None,
+                 device=None) -> None:
         super().__init__()
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
                                   / head_dim)
         if scaling:
             inv_freq = llama3_scaled_inv_freq(inv_freq, **scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq.to(position_ids.device)
-        angles = position_ids[:, :, None].float() * inv_freq  # [b, s, d/2]
+        angles = position_ids[:, :, None].float() * self.inv_freq  # [b, s, d/2]
         angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
         return angles.cos(), angles.sin()
 

@@ -13,7 +13,9 @@ One training step, in this order (megalite.training.train_step):
 
 `optimizer.step()` unscales and checks for inf/NaN (fp16), clips by the global norm
 (`clip_grad` > 0), steps the fp32 main params and copies them back (all-gathering the
-params with the distributed optimizer). Checkpoints save `optimizer.state_dict()` (this
+params with the distributed optimizer). It is `grad_stats()` (device [norm, found inf]),
+one host read, then `apply(norm, found_inf, loss_is_finite)`: the training step reads the
+grad statistics and its loss in one transfer, its one host sync. Checkpoints save `optimizer.state_dict()` (this
 rank's: torch optimizer state, fp32 main params, scaler; the shard with the distributed
 optimizer) and `scheduler.state_dict()`.
 """

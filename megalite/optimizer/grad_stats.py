@@ -1,5 +1,6 @@
 """Statistics of the gradients over all ranks holding a piece of the model: the global L2
-norm (each parameter counted once across TP, PP and DP) and the fp16 overflow check."""
+norm (each parameter counted once across TP, PP and DP) and the fp16 overflow check. Both
+stay on the device: the optimizer reads them on the host once per step, together."""
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,9 +25,11 @@ def counts_toward_norm(param: nn.Parameter) -> bool:
 
 
 def global_grad_norm(grads: list[torch.Tensor], groups: list, device: torch.device,
-                     expert_grads: list[torch.Tensor] = (), expert_groups: list = ()) -> float:
-    """sqrt(sum of squares of `grads` and `expert_grads`), the sum all-reduced over each of
-    `groups` in turn, the experts' part first over each of `expert_groups`.
+                     expert_grads: list[torch.Tensor] = (), expert_groups: list = ()
+                     ) -> torch.Tensor:
+    """sqrt(sum of squares of `grads` and `expert_grads`) as an fp32 scalar on `device`, the
+    sum all-reduced over each of `groups` in turn, the experts' part first over each of
+    `expert_groups`.
 
     `grads` are this rank's counted grads (see counts_toward_norm); `groups` the
     model-parallel group, preceded by the DP group when each rank holds a shard.
@@ -44,11 +47,12 @@ def global_grad_norm(grads: list[torch.Tensor], groups: list, device: torch.devi
     total += experts
     for group in groups:
         comm.all_reduce(total, group)
-    return total.sqrt().item()
+    return total.sqrt()
 
 
-def found_inf_anywhere(found_inf: torch.Tensor, groups: list) -> bool:
-    """MAX-reduce a local 0/1 overflow flag over each of `groups`; True if any rank saw inf/NaN."""
+def found_inf_anywhere(found_inf: torch.Tensor, groups: list) -> torch.Tensor:
+    """MAX-reduce a local 0/1 overflow flag over each of `groups`, in place; nonzero if any
+    rank saw inf/NaN."""
     for group in groups:
         comm.all_reduce(found_inf, group, op=dist.ReduceOp.MAX)
-    return bool(found_inf.item())
+    return found_inf

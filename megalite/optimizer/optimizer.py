@@ -4,7 +4,8 @@ bf16/fp16 model params get an fp32 main copy; the torch optimizer steps the copi
 the result is copied back (rounded) into the model params. fp32 params are their own
 main params (no copy). fp16 adds loss scaling: grads are unscaled and checked for
 inf/NaN, and an overflow anywhere skips the step everywhere. In every precision a
-non-finite loss or global grad norm skips the step (never applied to the weights).
+non-finite loss or global grad norm skips the step (never applied to the weights). The
+grad statistics stay on the device until the host reads them, once per step.
 """
 import math
 import warnings
@@ -128,6 +129,7 @@ class MixedPrecisionOptimizer:
         self.scaler = build_grad_scaler(precision)
         self.fragments = self._build_fragments()
         self.optimizer = build_torch_optimizer(config, self.fragments)
+        self._grad_norm: torch.Tensor | None = None  # on the device, from grad_stats()
 
     def _build_fragments(self) -> list[Fragment]:
         return [Fragment.of(p, p.detach(), p.main_grad)
@@ -161,8 +163,8 @@ class MixedPrecisionOptimizer:
     def _device(self) -> torch.device:
         return self.fragments[0].grad.device if self.fragments else torch.device("cpu")
 
-    def _unscale_and_check(self) -> bool:
-        """Divide the grads by the loss scale; True if any rank found inf/NaN."""
+    def _unscale_and_check(self) -> torch.Tensor:
+        """Divide the grads by the loss scale; [1] nonzero if any rank found inf/NaN."""
         found_inf = torch.zeros(1, dtype=torch.float32, device=self._device())
         if self.fragments:
             inv_scale = torch.full((1,), 1.0 / self.scaler.scale, device=self._device())
@@ -171,36 +173,54 @@ class MixedPrecisionOptimizer:
         return found_inf_anywhere(found_inf, self._expert_stats_groups() + self._stats_groups())
 
     @torch.no_grad()
+    def grad_stats(self) -> torch.Tensor:
+        """First half of `step`: unscale the grads (fp16) and reduce their statistics over every
+        rank holding a piece of the model. Returns [global grad norm, found inf/NaN (fp16;
+        always 0 otherwise)], fp32 on the device; `apply` takes their host values."""
+        for f in self.fragments:
+            f.main.grad = f.grad
+        found_inf = self._unscale_and_check() if self.scaler is not None else \
+            torch.zeros(1, dtype=torch.float32, device=self._device())
+        counted = [f for f in self.fragments if counts_toward_norm(f.model_param)]
+        expert = [getattr(f.model_param, "expert_parallel", False) for f in counted]
+        self._grad_norm = global_grad_norm(
+            [f.grad for f, e in zip(counted, expert) if not e], self._stats_groups(),
+            self._device(), [f.grad for f, e in zip(counted, expert) if e],
+            self._expert_stats_groups())
+        return torch.cat([self._grad_norm.reshape(1), found_inf])
+
+    @torch.no_grad()
+    def apply(self, grad_norm: float, found_inf: bool, loss_is_finite: bool = True
+              ) -> tuple[bool, float | None]:
+        """Second half of `step`, given the host values of `grad_stats()`: update the loss
+        scale (fp16), then clip, step and copy back, or skip. Returns (stepped, grad norm)."""
+        if self.scaler is not None:
+            found_inf = found_inf or not loss_is_finite
+            self.scaler.update(found_inf)
+            if found_inf:
+                return False, None
+        if not loss_is_finite:
+            return False, None
+        if not math.isfinite(grad_norm):
+            return False, grad_norm
+        if self.clip_grad > 0 and self.clip_grad / (grad_norm + 1e-6) < 1.0:  # scale only when clipping
+            torch.nn.utils.clip_grads_with_norm_([f.main for f in self.fragments],
+                                                 self.clip_grad, self._grad_norm)
+        self.optimizer.step()
+        self._copy_main_to_model()
+        return True, grad_norm
+
     def step(self, loss_is_finite: bool = True) -> tuple[bool, float | None]:
         """Unscale and check (fp16), clip, step, copy back. Returns (stepped, grad norm).
 
         The step is skipped (False) on an fp16 overflow, when `loss_is_finite` is False (the
         caller passes the same value on every rank) or when the global grad norm, reduced
         over every rank holding a piece of the model, is not finite: every rank agrees.
+        The host reads the grad statistics once (`grad_stats`, then `apply`); a training
+        step reads them together with its loss (megalite.training.train_step).
         """
-        for f in self.fragments:
-            f.main.grad = f.grad
-        if self.scaler is not None:
-            found_inf = self._unscale_and_check() or not loss_is_finite
-            self.scaler.update(found_inf)
-            if found_inf:
-                return False, None
-        if not loss_is_finite:
-            return False, None
-        counted = [f for f in self.fragments if counts_toward_norm(f.model_param)]
-        expert = [getattr(f.model_param, "expert_parallel", False) for f in counted]
-        grad_norm = global_grad_norm(
-            [f.grad for f, e in zip(counted, expert) if not e], self._stats_groups(),
-            self._device(), [f.grad for f, e in zip(counted, expert) if e],
-            self._expert_stats_groups())
-        if not math.isfinite(grad_norm):
-            return False, grad_norm
-        if self.clip_grad > 0 and self.clip_grad / (grad_norm + 1e-6) < 1.0:  # scale only when clipping
-            torch.nn.utils.clip_grads_with_norm_([f.main for f in self.fragments],
-                                                 self.clip_grad, torch.tensor(grad_norm))
-        self.optimizer.step()
-        self._copy_main_to_model()
-        return True, grad_norm
+        grad_norm, found_inf = self.grad_stats().tolist()
+        return self.apply(grad_norm, found_inf > 0, loss_is_finite)
 
     def _copy_main_to_model(self) -> None:
         pairs = [(f.target, f.main) for f in self.fragments if f.target is not None]

@@ -21,7 +21,7 @@ import functools
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -181,35 +181,44 @@ class _Run:
                 self.output_grads[key] = tensor
 
 
-def share_losses(losses: list[LossDict], num_microbatches: int,
-                 device: torch.device) -> list[LossDict]:
-    """The last stage's per-microbatch loss dicts (scalar values) on every pipeline rank.
+def share_losses(losses: list[LossDict], num_microbatches: int, device: torch.device,
+                 keys: Sequence[str] | None = None) -> list[LossDict]:
+    """The last stage's per-microbatch loss dicts on every pipeline rank (only `keys`, when
+    given), values kept on the device.
 
-    Two broadcasts from the last stage on the pipeline group: a header (number of keys,
-    bytes of the names), then a uint8 payload: float32 values [m, keys], '\\0'-joined names.
+    One broadcast from the last stage on the pipeline group of float32 values [m, keys]: no
+    host sync when the caller names the `keys`; otherwise their names travel first
+    (`_share_names`: two host reads on the other ranks).
     """
     group = parallel_state.get_pipeline_model_parallel_group()
     if comm.world_size(group) == 1:
-        return losses
+        return losses if keys is None else [{k: d[k] for k in keys} for d in losses]
     place = parallel_state.get_pipeline_placement()
     src = parallel_state.get_pipeline_model_parallel_ranks()[place.locate(place.num_stages - 1)[0]]
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    keys = list(losses[0]) if last else []
-    names = torch.tensor(list("\0".join(keys).encode()), dtype=torch.uint8, device=device)
-    header = torch.tensor([len(keys), names.numel()], dtype=torch.int64, device=device)
-    comm.broadcast(header, src, group)
-    num_keys, num_bytes = header.tolist()
-    value_bytes = 4 * num_microbatches * num_keys
-    if last:
-        values = torch.tensor([[float(d[k]) for k in keys] for d in losses], dtype=torch.float32,
-                              device=device)
-        payload = torch.cat([values.reshape(-1).view(torch.uint8), names])
+    if keys is None:
+        keys = _share_names(list(losses[0]) if last else None, src, group, device)
+    if last and keys:
+        values = torch.stack([torch.stack([d[k].float().reshape(()) for k in keys])
+                              for d in losses])
     else:
-        payload = torch.empty(value_bytes + num_bytes, dtype=torch.uint8, device=device)
-    comm.broadcast(payload, src, group)
-    keys = bytes(payload[value_bytes:].tolist()).decode().split("\0")
-    values = payload[:value_bytes].view(torch.float32).view(num_microbatches, num_keys)
+        values = torch.empty(num_microbatches, len(keys), dtype=torch.float32, device=device)
+    comm.broadcast(values, src, group)
     return [dict(zip(keys, row.unbind(0))) for row in values]
+
+
+def _share_names(names: list[str] | None, src: int, group, device: torch.device) -> list[str]:
+    """The `names` of global rank `src` on every rank of `group` (None elsewhere): a size
+    broadcast, then the '\\0'-terminated names as bytes; both are read on the host there."""
+    data = "".join(f"{name}\0" for name in names).encode() if names is not None else b""
+    size = torch.full((1,), len(data), dtype=torch.int64, device=device)
+    comm.broadcast(size, src, group)
+    if names is not None:
+        payload = torch.tensor(list(data), dtype=torch.uint8, device=device)
+    else:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    comm.broadcast(payload, src, group)
+    return names if names is not None else bytes(payload.tolist()).decode().split("\0")[:-1]
 
 
 def _sequence_split(model: nn.Module) -> int:
@@ -222,7 +231,8 @@ def _sequence_split(model: nn.Module) -> int:
 def forward_backward(*, schedule: ScheduleKind, forward_step_func: Callable,
                      data_iterator: Iterator | list | None, model: nn.Module | list[nn.Module],
                      num_microbatches: int, seq_length: int, micro_batch_size: int,
-                     forward_only: bool = False, loss_scale: float = 1.0) -> list[LossDict]:
+                     forward_only: bool = False, loss_scale: float = 1.0,
+                     loss_keys: Sequence[str] | None = None) -> list[LossDict]:
     """One step of schedule `schedule` on this rank.
 
     model: this rank's chunk, or its list of v chunks. data_iterator: one
@@ -233,7 +243,8 @@ def forward_backward(*, schedule: ScheduleKind, forward_step_func: Callable,
     training step of the chunks' MoE layers (`moe.training_step`: their stats start empty,
     their aux losses get loss_scale / num_microbatches in backward, as the loss does).
     Returns the per-microbatch loss dicts of the last stage on EVERY pipeline rank
-    (`share_losses`), as float32 scalars when PP > 1. Invalid (p, m, v) raise the tables'
+    (`share_losses`: only `loss_keys` when given, which spares the other ranks a host sync),
+    as float32 scalars when PP > 1, on the device. Invalid (p, m, v) raise the tables'
     ValueError before any communication.
     """
     chunks = model if isinstance(model, list) else [model]
@@ -260,7 +271,7 @@ def forward_backward(*, schedule: ScheduleKind, forward_step_func: Callable,
                 run.compute(ins)
                 for observer in _observers:
                     observer(ins, time.perf_counter() - start)
-    return share_losses(run.losses, num_microbatches, param.device)
+    return share_losses(run.losses, num_microbatches, param.device, loss_keys)
 
 
 def get_forward_backward_func(pipeline_schedule: str = ONE_F_ONE_B
@@ -272,8 +283,8 @@ def get_forward_backward_func(pipeline_schedule: str = ONE_F_ONE_B
     resolves it with the grid's VPP; a schedule in V placement needs the grid built with it
     (initialize_model_parallel(..., v_shape_placement=True)), and only such a schedule.
     The callable takes the keywords forward_step_func, data_iterator, model, num_microbatches,
-    seq_length, micro_batch_size, forward_only (and optional loss_scale) and returns the
-    per-microbatch loss dicts on every rank (see `forward_backward`).
+    seq_length, micro_batch_size, forward_only (and optional loss_scale, loss_keys) and
+    returns the per-microbatch loss dicts on every rank (see `forward_backward`).
     """
     kind = resolve_schedule(pipeline_schedule,
                             parallel_state.get_pipeline_model_parallel_world_size(),
