@@ -64,16 +64,34 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
     _timeout = datetime.timedelta(seconds=timeout_s)
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    if device_type() == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
-        torch.cuda.set_device(local_rank)
+    device_id = None
+    if device_type() == "cuda":  # one visible GPU per task (SLURM) or per local rank
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) %
+                                 torch.cuda.device_count())
+        torch.cuda.set_device(device_id)
     if init_method is None and "MASTER_ADDR" not in os.environ:
         if world_size > 1:
             raise RuntimeError("init_distributed: WORLD_SIZE > 1 but no MASTER_ADDR "
                                "(launch with torchrun or tools/run_multinode.sh)")
         init_method = "tcp://127.0.0.1:0"  # a lone process: its store binds any free port
     dist.init_process_group(backend(), init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=_timeout)
+                            timeout=_timeout, device_id=device_id)
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 for fp32 matmuls and convolutions on CUDA (off: IEEE fp32, as on the CPU)."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def use_deterministic_kernels() -> None:
+    """On CUDA, deterministic kernels where torch has them, for bitwise-repeatable runs: cuBLAS's
+    fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS first runs) and
+    torch.use_deterministic_algorithms, warning for an op that has no such kernel. Nothing on
+    the CPU, whose kernels already repeat."""
+    if device_type() == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def matmul_slowdown(dtype: torch.dtype, n: int = 256) -> float:
