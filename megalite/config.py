@@ -169,6 +169,10 @@ class PrecisionConfig:
     min_loss_scale: float = arg(1.0, "dynamic loss scale floor")
     loss_scale_window: int = arg(1000, "clean steps before the scale doubles")
     hysteresis: int = arg(2, "overflowing steps tolerated before the scale halves")
+    tf32: bool = arg(False, "TF32 tensor cores for fp32 matmuls on CUDA (faster, ~1e-3 "
+                            "relative error; off: IEEE fp32)")
+    deterministic_mode: bool = arg(False, "deterministic CUDA kernels where torch has them: "
+                                          "bitwise-repeatable runs, slower")
 
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:

@@ -61,6 +61,9 @@ def setup_parallel(configs: Configs, layout: RunLayout) -> None:
     """Join the job, build the process grid of the layout and seed the RNG streams."""
     timeout_s = configs.parallel.distributed_timeout_minutes * 60
     device.init_distributed(timeout_s=timeout_s)
+    device.set_tf32(configs.precision.tf32)
+    if configs.precision.deterministic_mode:
+        device.use_deterministic_kernels()
     initialize_model_parallel(grid=layout.grid, timeout_s=timeout_s)
     model_parallel_seed(configs.train.seed, ps.get_tensor_model_parallel_rank(),
                         ps.get_pipeline_model_parallel_rank())
