@@ -3,8 +3,12 @@
 `RankPool(n)` starts n spawned workers that join one default process group (file-store
 rendezvous: no free port needed, so concurrent pools cannot collide) and then run task
 after task: `pool.run(fn, *args)` calls `fn(*args)` on every rank and returns the list
-of per-rank results. Each task ends with `destroy_model_parallel()`, so the next may
-initialise any layout. Used by the tests' rank pools and by the multi-rank tools.
+of per-rank results, their tensors moved to the CPU. Each task ends with
+`destroy_model_parallel()`, so the next may initialise any layout. Used by the tests' rank
+pools and by the multi-rank tools.
+
+Devices: rank r uses GPU r with NCCL when the machine has a GPU for every rank (NCCL cannot
+share one GPU between ranks); otherwise the workers see no GPU and run on the CPU with gloo.
 
 Bounded failure: if any rank raises, the pool is killed at once and `run` raises with
 that rank's traceback; ranks that do not answer within `timeout_s` are killed and named.
@@ -19,11 +23,18 @@ from multiprocessing.connection import wait
 from typing import Any, Callable
 
 
+def on_gpus(world_size: int) -> bool:
+    """Whether `world_size` local ranks run on GPUs: one visible GPU for each."""
+    import torch
+    return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+
+
 def _worker(rank: int, world_size: int, store_file: str, conn, sys_path: list[str],
-            timeout_s: float) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
+            timeout_s: float, env: dict[str, str]) -> None:
+    os.environ.update({"OMP_NUM_THREADS": "1", **env})  # before torch starts
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     import torch
+    from torch.utils._pytree import tree_map_only
     torch.set_num_threads(1)
     from megalite.device import init_distributed
     from megalite.mpu import parallel_state
@@ -31,7 +42,7 @@ def _worker(rank: int, world_size: int, store_file: str, conn, sys_path: list[st
     while (task := conn.recv()) is not None:
         fn, args, kwargs = task
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            conn.send(("ok", tree_map_only(torch.Tensor, torch.Tensor.cpu, fn(*args, **kwargs))))
         except BaseException:  # report everything, including assertion failures
             conn.send(("error", traceback.format_exc()))
         finally:
@@ -44,15 +55,18 @@ def _worker(rank: int, world_size: int, store_file: str, conn, sys_path: list[st
 class RankPool:
     """N processes joined in one default process group, running tasks on request."""
 
-    def __init__(self, world_size: int, timeout_s: float = 300.0) -> None:
+    def __init__(self, world_size: int, timeout_s: float = 300.0,
+                 env: dict[str, str] | None = None) -> None:
+        """`env`: variables the workers set before they start (e.g. TORCH_NCCL_BLOCKING_WAIT)."""
         ctx = mp.get_context("spawn")
         store_file = tempfile.mktemp(prefix=f"megalite_pool{world_size}_")
         self.world_size, self.timeout_s = world_size, timeout_s
         self.conns, self.procs = [], []
+        env = {**({} if on_gpus(world_size) else {"CUDA_VISIBLE_DEVICES": ""}), **(env or {})}
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, daemon=True,
-                               args=(rank, world_size, store_file, child, sys.path, timeout_s))
+            proc = ctx.Process(target=_worker, daemon=True, args=(
+                rank, world_size, store_file, child, sys.path, timeout_s, env))
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -111,9 +125,11 @@ class RankPool:
                 proc.join()
 
 
-def run_once(world_size: int, fn: Callable, *args, **kwargs) -> list:
-    """Start a pool of `world_size` ranks, run one task on it, stop it; per-rank results."""
-    pool = RankPool(world_size)
+def run_once(world_size: int, fn: Callable, *args, env: dict[str, str] | None = None,
+             **kwargs) -> list:
+    """Start a pool of `world_size` ranks (workers with `env`), run one task on it, stop it;
+    per-rank results."""
+    pool = RankPool(world_size, env=env)
     try:
         return pool.run(fn, *args, **kwargs)
     finally:

@@ -3,11 +3,16 @@
 Each pool starts once (import torch once, join one process group: 5 s for 4 ranks, 8 s for
 8 on 2 cores) and then runs test task after task; a pool that failed is dropped and the
 next task starts a fresh one. A task that loses gloo's connection mesh while the pool sets
-up is tried once more. A process group that outlives its task keeps three gloo threads in
-every worker and slows every later task on the 2 cores, so a pool whose workers hold more
-than MAX_WORKER_THREADS threads after a task is replaced by a fresh one (a safety net: the
-groups of a layout are destroyed when the next is initialised or the task ends, and DDP's
-grad hooks do not keep the model alive, so no test is known to leave one behind).
+up is tried once more. A pool runs on GPUs with NCCL when there is one per rank, else on
+the CPU with gloo (megalite.rank_pool); on GPUs its workers compute in IEEE fp32 (TF32
+off) with deterministic kernels, as the parity and bitwise tests need.
+
+A process group that outlives its task keeps threads in every worker (gloo: three) and
+slows every later task on the 2 cores, so a pool whose workers hold more than
+EXTRA_WORKER_THREADS threads beyond their count at start after a task is replaced by a
+fresh one (a safety net: the groups of a layout are destroyed when the next is initialised
+or the task ends, and DDP's grad hooks do not keep the model alive, so no test is known to
+leave one behind).
 """
 import os
 import threading
@@ -17,9 +22,9 @@ from megalite.rank_pool import RankPool
 TRANSPORT_FLAKE = "Gloo connectFullMesh failed"
 TASK_TIMEOUT_S = float(os.environ.get("MEGALITE_TEST_TIMEOUT", 300))
 
-MAX_WORKER_THREADS = 64
+EXTRA_WORKER_THREADS = 60
 
-_POOLS: dict[int, RankPool] = {}
+_POOLS: dict[int, tuple[RankPool, int]] = {}  # world size -> (pool, its workers' threads at start)
 
 
 def thread_count() -> int:
@@ -30,19 +35,35 @@ def thread_count() -> int:
         return threading.active_count()
 
 
+def _prepare_worker() -> int:
+    """IEEE fp32 and deterministic kernels on CUDA (nothing changes on the CPU); the worker's
+    thread count."""
+    from megalite.device import set_tf32, use_deterministic_kernels
+    set_tf32(False)
+    use_deterministic_kernels()
+    return thread_count()
+
+
+def _pool(world_size: int) -> tuple[RankPool, int]:
+    entry = _POOLS.get(world_size)
+    if entry is None or not entry[0].alive():
+        pool = RankPool(world_size, TASK_TIMEOUT_S)
+        _POOLS[world_size] = entry = pool, max(pool.run(_prepare_worker))
+    return entry
+
+
 def run_on_ranks(world_size: int, fn, *args, timeout: float = TASK_TIMEOUT_S, **kwargs) -> list:
-    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the per-rank results.
+    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the per-rank results (tensors
+    on the CPU).
 
     `fn` must be a module-level function (it is sent to the workers by reference).
     """
     for attempt in (1, 2):
-        pool = _POOLS.get(world_size)
-        if pool is None or not pool.alive():
-            pool = _POOLS[world_size] = RankPool(world_size, TASK_TIMEOUT_S)
         try:
+            pool, threads_at_start = _pool(world_size)
             results = pool.run(fn, *args, timeout=timeout, **kwargs)
-            if max(pool.run(thread_count)) > MAX_WORKER_THREADS:
-                _POOLS.pop(world_size).close()
+            if max(pool.run(thread_count)) > threads_at_start + EXTRA_WORKER_THREADS:
+                _POOLS.pop(world_size)[0].close()
             return results
         except BaseException as error:
             _POOLS.pop(world_size, None)
@@ -53,6 +74,6 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = TASK_TIMEOUT_S, **
 
 
 def close_pools() -> None:
-    for pool in _POOLS.values():
+    for pool, _ in _POOLS.values():
         pool.close()
     _POOLS.clear()
