@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import ModelConfig, OptimizerConfig, PrecisionConfig
+from megalite.device import current_device
 from megalite.distributed import DistributedDataParallel
 from megalite.models import GPTModel
 from megalite.models.stage import allreduce_shared_embedding_grads
@@ -34,9 +35,11 @@ def opt_config(**kw) -> OptimizerConfig:
 
 
 def batches(steps: int, size: int, seed: int = 1) -> list[torch.Tensor]:
-    """`steps` global batches of tokens [size, SEQ + 1] (inputs [:-1], labels [1:])."""
+    """`steps` global batches of tokens [size, SEQ + 1] (inputs [:-1], labels [1:]), on this
+    rank's device."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (size, SEQ + 1), generator=gen) for _ in range(steps)]
+    return [torch.randint(0, VOCAB, (size, SEQ + 1), generator=gen).to(current_device())
+            for _ in range(steps)]
 
 
 def init_grid(tp: int, pp: int = 1) -> None:
@@ -62,7 +65,8 @@ def build(precision: PrecisionConfig = PrecisionConfig(), group=None,
     """(wrapped whole-model GPT, optimizer) on the current grid; DDP settings from `opt`."""
     opt = opt or opt_config()
     model = DistributedDataParallel(
-        GPTModel(CONFIG, params_dtype=precision.params_dtype), bucket_size=opt.ddp_bucket_size,
+        GPTModel(CONFIG, params_dtype=precision.params_dtype, device=current_device()),
+        bucket_size=opt.ddp_bucket_size,
         overlap_grad_reduce=opt.overlap_grad_reduce,
         use_distributed_optimizer=opt.use_distributed_optimizer, data_parallel_group=group)
     optimizer, _ = get_optimizer(opt, precision, model)
@@ -115,7 +119,8 @@ class Reference:
 
     def __init__(self, config: OptimizerConfig = opt_config()) -> None:
         self.group = rank_group(1)
-        self.model = GPTModel(CONFIG, layer_range=(0, CONFIG.num_layers), group=self.group)
+        self.model = GPTModel(CONFIG, layer_range=(0, CONFIG.num_layers), group=self.group,
+                              device=current_device())
         params = list(self.model.parameters())
         self.clip = config.clip_grad
         groups = [{"params": [p for p in params if p.ndim > 1],

@@ -21,14 +21,15 @@ def make_dataset(directory: str, documents: int = 200, seed: int = 0) -> str:
 
 
 def tiny_args(prefix: str, save: str, iters: int, *extra: str) -> list[str]:
-    """Flags of a 4-layer, hidden-32 GPT on `prefix`, dropout on (RNG state matters)."""
+    """Flags of a 4-layer, hidden-32 GPT on `prefix`, dropout on (RNG state matters),
+    bitwise-repeatable on CUDA too (--deterministic-mode)."""
     return ["--data-path", prefix, "--vocab-size", str(VOCAB), "--num-layers", "4",
             "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--max-position-embeddings", "16", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-iters", str(iters), "--eval-interval", "0",
             "--log-interval", "1000", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
             "--lr-warmup-iters", "1", "--save", save, "--data-cache-dir",
-            os.path.join(os.path.dirname(prefix), "cache"), *extra]
+            os.path.join(os.path.dirname(prefix), "cache"), "--deterministic-mode", *extra]
 
 
 def train(argv: list[str]) -> dict[int, float]:

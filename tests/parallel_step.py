@@ -9,6 +9,7 @@ import torch
 
 import pretrain_gpt
 from megalite.config import ModelConfig
+from megalite.device import current_device
 from megalite.distributed import DistributedDataParallel
 from megalite.models import GPTModel
 from megalite.models.stage import build_model_chunks, finalize_model_grads, sync_shared_embedding
@@ -33,9 +34,9 @@ def with_(config: ModelConfig, **changes) -> ModelConfig:
 
 
 def global_batch(dp: int, vocab: int = VOCAB) -> torch.Tensor:
-    """[dp * m * micro, SEQ + 1] tokens, the same on every rank."""
+    """[dp * m * micro, SEQ + 1] tokens, the same on every rank, on its device."""
     return torch.randint(0, vocab, (dp * MICROBATCHES * MICRO, SEQ + 1),
-                         generator=torch.Generator().manual_seed(7))
+                         generator=torch.Generator().manual_seed(7)).to(current_device())
 
 
 def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
@@ -48,7 +49,8 @@ def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
                         ps.get_pipeline_model_parallel_rank())
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     chunks = build_model_chunks(lambda pre_process, post_process: GPTModel(
-        config, pre_process, post_process, init_seed=SEED, sequence_parallel=sp))
+        config, pre_process, post_process, init_seed=SEED, sequence_parallel=sp,
+        device=current_device()))
     if load is not None:
         load(chunks)
     sync_shared_embedding(chunks)

@@ -3,9 +3,11 @@ import torch
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want| (0 when both are zero)."""
+    """max |got - want| / max |want| (0 when both are zero), on the CPU: either may be on a
+    GPU, e.g. a rank's result against a transformers reference."""
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
     scale = want.abs().max().item()
-    diff = (got.float() - want.float()).abs().max().item()
+    diff = (got - want).abs().max().item()
     return diff / scale if scale else diff
 
 
@@ -36,7 +38,9 @@ def random_hf_model(cls, cfg, seed: int = 0):
 
 
 def hf_token_loss(hf_model, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss of a HF causal LM on tokens [b, s + 1] (inputs [:-1], labels [1:])."""
+    """Mean next-token loss of a HF causal LM (on the CPU) on tokens [b, s + 1] (inputs [:-1],
+    labels [1:]), wherever the tokens are."""
+    tokens = tokens.cpu()
     logits = hf_model(input_ids=tokens[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              tokens[:, 1:].reshape(-1))
@@ -44,8 +48,9 @@ def hf_token_loss(hf_model, tokens: torch.Tensor) -> torch.Tensor:
 
 def hf_parity_errors(model, hf_model, to_hf_names, tokens: torch.Tensor, vocab: int,
                      steps: int = 3) -> dict:
-    """Relative errors of a megalite GPTModel (this rank's TP shard) vs a HF causal LM with
-    the same weights on tokens [b, s + 1]: logits, loss, every gradient (gathered over TP,
+    """Relative errors of a megalite GPTModel (this rank's TP shard, on its device) vs a HF
+    causal LM with the same weights (on the CPU) on tokens [b, s + 1] (on the model's device):
+    logits, loss, every gradient (gathered over TP,
     renamed by `to_hf_names(full megalite dict)`), then the losses after `steps` AdamW steps
     on both."""
     from megalite.models.stage import finalize_model_grads
@@ -53,7 +58,7 @@ def hf_parity_errors(model, hf_model, to_hf_names, tokens: torch.Tensor, vocab: 
     from megalite.mpu.mappings import gather_from_tensor_model_parallel_region
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     logits = gather_from_tensor_model_parallel_region(model(inputs))[..., :vocab]
-    errors = {"logits": rel_err(logits, hf_model(input_ids=inputs).logits)}
+    errors = {"logits": rel_err(logits, hf_model(input_ids=inputs.cpu()).logits)}
 
     def backward_both() -> tuple[torch.Tensor, torch.Tensor]:
         loss, ref_loss = model(inputs, labels).mean(), hf_token_loss(hf_model, tokens)

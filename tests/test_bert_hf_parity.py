@@ -5,12 +5,14 @@ classification and the masked-LM head, and the real all-MiniLM-L6-v2 weights wit
 seeded random classifier. fp32, dropout off (eval), right-padded batch of different
 lengths with token types. Logits within 1e-5 relative; loss and every parameter's
 gradient (gathered over TP; tied embedding grads all-reduced over first/last stage)
-within 1e-4 relative. The two pipeline stages are driven by hand with send/recv.
+within 1e-4 relative. The two pipeline stages are driven by hand with send/recv. The
+transformers models run on the CPU, megalite on the rank's device.
 At (2, 2) the full state dict gathered over TP and PP must equal the converted input.
 """
 import pytest
 import torch
 
+from megalite.device import current_device
 from megalite.hf.bert import bert_config, bert_to_megalite, load_bert, read_bert_dir
 from megalite.models.bert import BertModel
 from megalite.models.sharding import full_state_dict, gather_pipeline_state_dict
@@ -56,16 +58,16 @@ def _minilm_classifier(model_dir: str, seed: int = 0):
 
 
 def _batch(vocab: int, head: str) -> dict[str, torch.Tensor]:
-    """Right-padded batch of lengths SEQ .. 5 with token types 1 from the middle on."""
-    gen = torch.Generator().manual_seed(7)
-    ids = torch.randint(1, vocab, (BATCH, SEQ), generator=gen)
-    lengths = torch.tensor([SEQ, 9, 5, 7])
-    mask = (torch.arange(SEQ) < lengths[:, None]).long()
-    types = ((torch.arange(SEQ) >= lengths[:, None] // 2) & mask.bool()).long()
+    """Right-padded batch of lengths SEQ .. 5 with token types 1 from the middle on (CPU)."""
+    gen, cpu = torch.Generator().manual_seed(7), "cpu"
+    ids = torch.randint(1, vocab, (BATCH, SEQ), generator=gen, device=cpu)
+    lengths = torch.tensor([SEQ, 9, 5, 7], device=cpu)
+    mask = (torch.arange(SEQ, device=cpu) < lengths[:, None]).long()
+    types = ((torch.arange(SEQ, device=cpu) >= lengths[:, None] // 2) & mask.bool()).long()
     if head == "classification":
-        labels = torch.randint(0, NUM_LABELS, (BATCH,), generator=gen)
+        labels = torch.randint(0, NUM_LABELS, (BATCH,), generator=gen, device=cpu)
     else:
-        labels = torch.where(torch.rand(BATCH, SEQ, generator=gen) < 0.4, ids, -100)
+        labels = torch.where(torch.rand(BATCH, SEQ, generator=gen, device=cpu) < 0.4, ids, -100)
         labels[mask == 0] = -100
     return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": types,
             "labels": labels}
@@ -93,7 +95,7 @@ def _run_pipeline(model: BertModel, batch: dict[str, torch.Tensor], hidden: int,
     labels = batch["labels"] if backward else None
     received = None
     if not first:
-        received = _p2p("recv", torch.empty(SEQ, BATCH, hidden),
+        received = _p2p("recv", torch.empty(SEQ, BATCH, hidden, device=current_device()),
                         ps.get_pipeline_model_parallel_prev_rank()).requires_grad_(backward)
         model.set_input_tensor(received)
     out = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], labels)
@@ -116,8 +118,9 @@ def _compare(hf, ref: dict, batch: dict, head: str, tp: int, pp: int) -> dict:
     config = bert_config(hf.config)
     model = BertModel(config, head=head, num_labels=NUM_LABELS,
                       pre_process=ps.is_pipeline_first_stage(),
-                      post_process=ps.is_pipeline_last_stage()).eval()
+                      post_process=ps.is_pipeline_last_stage(), device=current_device()).eval()
     load_bert(model, hf.state_dict())
+    batch = {name: tensor.to(current_device()) for name, tensor in batch.items()}
     errors = {}
     logits = _run_pipeline(model, batch, config.hidden_size, backward=False)
     if logits is not None:

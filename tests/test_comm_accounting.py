@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ModelConfig
+from megalite.device import current_device
 from megalite.models import GPTModel
 from megalite.models.stage import build_model_chunks
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
@@ -31,7 +32,8 @@ def _config(recompute: str | None = None) -> ModelConfig:
 
 
 def _tokens(m: int = 1) -> torch.Tensor:
-    return torch.randint(0, 97, (m * MICRO, SEQ + 1), generator=torch.Generator().manual_seed(m))
+    return torch.randint(0, 97, (m * MICRO, SEQ + 1),
+                         generator=torch.Generator().manual_seed(m)).to(current_device())
 
 
 def _tp_counts() -> dict:
@@ -40,7 +42,7 @@ def _tp_counts() -> dict:
     model_parallel_seed(1234, ps.get_tensor_model_parallel_rank())
     tokens, counts = _tokens(), {}
     for recompute in (None, "selective", "full"):
-        model = GPTModel(_config(recompute))
+        model = GPTModel(_config(recompute), device=current_device())
         with comm.count_bytes() as counted:
             model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
         counts[recompute] = dict(counted)
@@ -62,7 +64,7 @@ def _pp_counts(schedule: str, v: int, m: int) -> dict:
     initialize_model_parallel(1, dist.get_world_size(), v if v > 1 else None)
     model_parallel_seed(1234, 0, ps.get_pipeline_model_parallel_rank())
     chunks = build_model_chunks(lambda pre_process, post_process: GPTModel(
-        _config(), pre_process, post_process))
+        _config(), pre_process, post_process, device=current_device()))
 
     def forward_step(data_iterator, chunk):
         tokens = next(data_iterator)

@@ -1,5 +1,7 @@
 """Faults injected through MEGALITE_FAULT (megalite.resilience) or real signals: a NaN loss
-on one rank, SIGTERM mid-run, a rank SIGKILLed mid-step under torchrun, a hung collective."""
+on one rank, SIGTERM mid-run, a rank SIGKILLed mid-step under torchrun, a hung collective
+(on NCCL with TORCH_NCCL_BLOCKING_WAIT=1, so the wait itself raises at the group's timeout
+instead of NCCL's watchdog aborting the process)."""
 import os
 import signal
 import subprocess
@@ -10,7 +12,8 @@ import pytest
 import torch
 
 from megalite import checkpointing
-from megalite.rank_pool import run_once
+from megalite.device import current_device
+from megalite.rank_pool import on_gpus, run_once
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 
@@ -88,25 +91,29 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_step_with_a_checkpoint(t
 
 
 def _hang_on_tp_group(timeout_s: float) -> tuple[float, str]:
-    """Rank 0 all-reduces on the TP group while rank 1 does not join for 6 s."""
+    """Both ranks all-reduce once on the TP group (NCCL builds its communicator at the first
+    collective, which no timeout bounds), then rank 0 again while rank 1 stays away for 6 s."""
     import torch.distributed as dist
 
     from megalite.mpu import initialize_model_parallel
     from megalite.mpu import parallel_state as ps
     initialize_model_parallel(2, 1, timeout_s=timeout_s)
+    ones, group = torch.ones(1, device=current_device()), ps.get_tensor_model_parallel_group()
+    dist.all_reduce(ones, group=group)
     if dist.get_rank() == 1:
         time.sleep(6)
         return 0.0, ""
     start = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(1), group=ps.get_tensor_model_parallel_group())
+        dist.all_reduce(ones, group=group)
     except RuntimeError as error:
         return time.monotonic() - start, str(error).splitlines()[0]
     return time.monotonic() - start, "no error"
 
 
 def test_a_hung_tensor_parallel_collective_ends_within_the_group_timeout():
-    elapsed, error = run_once(2, _hang_on_tp_group, 1.0, timeout=60)[0]
+    elapsed, error = run_once(2, _hang_on_tp_group, 1.0, timeout=60,
+                              env={"TORCH_NCCL_BLOCKING_WAIT": "1"})[0]
     assert error != "no error" and 0.9 < elapsed < 5, (elapsed, error)
 
 
@@ -121,7 +128,8 @@ def test_sigkill_of_one_rank_under_torchrun_ends_the_job_and_the_checkpoint_resu
     ck = tmp_path / "killed"
     argv = tiny_args(prefix, str(ck), 5, *PP2_DP2, "--save-interval", "2",
                      "--distributed-timeout-minutes", "0.5")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGALITE_FAULT": "sigkill@4:2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGALITE_FAULT": "sigkill@4:2",
+           **({} if on_gpus(4) else {"CUDA_VISIBLE_DEVICES": ""})}  # as the rank pools
     start = time.monotonic()
     job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc_per_node", "4", "pretrain_gpt.py", *argv], cwd=ROOT, env=env,

@@ -1,11 +1,13 @@
 """GPTModel at TP in {1, 2, 4} vs transformers GPT2LMHeadModel with the same random weights.
 
-fp32, dropout off, odd vocabulary (203) and odd sequence length (13): logits and loss
-within 1e-5 relative, every parameter's gradient (gathered over TP) within 1e-4 relative,
-then three AdamW steps on both and the losses still within 1e-5 relative.
+fp32 (megalite on the rank's device, transformers on the CPU), dropout off, odd vocabulary
+(203) and odd sequence length (13): logits and loss within 1e-5 relative, every
+parameter's gradient (gathered over TP) within 1e-4 relative, then three AdamW steps on both
+and the losses still within 1e-5 relative.
 """
 import torch
 
+from megalite.device import current_device
 from megalite.hf import gpt2_config, load_gpt2, megalite_to_gpt2
 from megalite.models import GPTModel
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
@@ -21,10 +23,10 @@ def _compare(tp: int) -> dict:
     model_parallel_seed(0, ps.get_tensor_model_parallel_rank())
     hf = tiny_gpt2(vocab=VOCAB)
     config = gpt2_config(hf.config)
-    model = GPTModel(config)
+    model = GPTModel(config, device=current_device())
     load_gpt2(model, hf.state_dict())
     torch.manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (3, SEQ + 1))
+    tokens = torch.randint(0, VOCAB, (3, SEQ + 1)).to(current_device())
     return hf_parity_errors(model, hf, lambda state: megalite_to_gpt2(state, config), tokens,
                             VOCAB)
 

@@ -7,10 +7,11 @@ import torch
 
 from megalite import checkpointing
 from megalite.config import ModelConfig, parse_configs
-from megalite.device import free_port
+from megalite.device import current_device, free_port
 from megalite.models import GPTModel
-from megalite.optimizer import get_optimizer
 from megalite.layout import RunLayout
+from megalite.optimizer import get_optimizer
+from megalite.rank_pool import on_gpus
 from megalite.training import build_model, setup_parallel
 from tests.gpt_run import make_dataset, tiny_args
 from tests.multirank import run_on_ranks
@@ -37,7 +38,8 @@ def _load_and_save_sharded(src: str, dst: str, layout: list[str]) -> None:
     setup_parallel(configs, RunLayout.from_configs(configs, torch.distributed.get_world_size()))
 
     def provider(pre_process: bool, post_process: bool) -> GPTModel:
-        return GPTModel(configs.model, pre_process=pre_process, post_process=post_process)
+        return GPTModel(configs.model, pre_process=pre_process, post_process=post_process,
+                        device=current_device())
     model = build_model(configs, provider)
     optimizer, scheduler = get_optimizer(configs.optimizer, configs.precision, model, 10)
     checkpointing.load_checkpoint(src, model, optimizer, scheduler, configs.model)
@@ -77,6 +79,16 @@ def test_hf_to_megalite_sharded_to_hf_gives_identical_logits(tmp_path, model_typ
         assert torch.equal(back(tokens).logits, hf(tokens).logits)
 
 
+def node_gpus(node: int, per_node: int, nodes: int) -> str:
+    """CUDA_VISIBLE_DEVICES of one fake node on this machine: its own `per_node` of the GPUs
+    this process sees, or none (CPU + gloo) unless every rank of the job has a GPU."""
+    if not on_gpus(per_node * nodes):
+        return ""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(per_node * nodes)]
+    return ",".join(ids[node * per_node:(node + 1) * per_node])
+
+
 def test_two_launcher_nodes_form_one_8_rank_job(tmp_path):
     prefix = make_dataset(str(tmp_path))
     args = tiny_args(prefix, str(tmp_path / "ck"), 3, "--tp", "2", "--pp", "2", "--dp", "2",
@@ -84,7 +96,9 @@ def test_two_launcher_nodes_form_one_8_rank_job(tmp_path):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "NNODES": "2", "GPUS_PER_NODE": "4"}
     nodes = [subprocess.Popen(["bash", "tools/run_multinode.sh", *args], cwd=ROOT,
-                              env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
+                              env={**env, "NODE_RANK": str(rank),
+                                   "CUDA_VISIBLE_DEVICES": node_gpus(rank, 4, 2)},
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     try:
         outputs = [node.communicate(timeout=240)[0] for node in nodes]

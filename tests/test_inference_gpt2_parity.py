@@ -10,6 +10,7 @@ ranks still agree (rank 0 draws the seed for all).
 """
 import torch
 
+from megalite.device import current_device
 from megalite.hf import gpt2_config, load_gpt2
 from megalite.inference import SamplingParams, generate
 from megalite.models import GPTModel
@@ -27,7 +28,7 @@ def _hf_model():
     with torch.no_grad():
         for param in hf.parameters():
             if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+                param.copy_(torch.randn(param.shape, generator=gen, device="cpu") * 0.3)
     return hf
 
 
@@ -40,7 +41,7 @@ def _megalite_runs(tp: int, pp: int) -> dict:
     initialize_model_parallel(tp, pp)
     hf = _hf_model()
     model = GPTModel(gpt2_config(hf.config), pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage()).eval()
+                     post_process=ps.is_pipeline_last_stage(), device=current_device()).eval()
     load_gpt2(model, hf.state_dict())
     prompts = _prompts()
     sampled = [generate(model, prompts, SamplingParams(NEW, temperature=1.0, seed=s))

@@ -9,6 +9,7 @@ TP 1, TP 2 and PP 2 on two ranks, fp32, within 1e-5 relative.
 import torch
 
 from megalite.config import ModelConfig
+from megalite.device import current_device
 from megalite.inference.generation import BatchDecoder, pipeline_forward
 from megalite.models import GPTModel
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
@@ -35,18 +36,19 @@ def _worst_error(spec: str, tp: int, pp: int) -> float | None:
     initialize_model_parallel(tp, pp)
     model_parallel_seed(0, ps.get_tensor_model_parallel_rank())
     model = GPTModel(tiny_config(spec), pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), init_seed=7).eval()
-    data = torch.Generator().manual_seed(1)
+                     post_process=ps.is_pipeline_last_stage(), init_seed=7,
+                     device=current_device()).eval()
+    data, dev = torch.Generator().manual_seed(1), current_device()
     prompts = [torch.randint(0, VOCAB, (n,), generator=data).tolist() for n in LENGTHS]
-    forced = torch.randint(0, VOCAB, (STEPS, len(prompts)), generator=data)
+    forced = torch.randint(0, VOCAB, (STEPS, len(prompts)), generator=data).to(dev)
     decoder = BatchDecoder(model, prompts, max_new=STEPS, pad_id=3)
     cached = [decoder.prefill()] + [decoder.decode(forced[t]) for t in range(STEPS - 1)]
     errors = []
     for t, logits in enumerate(cached):
         for row, prompt in enumerate(prompts):
-            seq = torch.tensor(prompt + forced[:t, row].tolist()).unsqueeze(0)
-            full = pipeline_forward(model, seq, torch.arange(seq.shape[1]).unsqueeze(0), None,
-                                    None)
+            seq = torch.tensor(prompt + forced[:t, row].tolist(), device=dev).unsqueeze(0)
+            full = pipeline_forward(model, seq, torch.arange(seq.shape[1], device=dev).unsqueeze(0),
+                                    None, None)
             if full is not None:
                 real = full[0, -1].isfinite()  # not the vocabulary padding
                 errors.append(rel_err(logits[row, real], full[0, -1, real]))

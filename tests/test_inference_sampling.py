@@ -1,7 +1,7 @@
 """Sampling against explicit computations on a four-token vocabulary with probabilities
 p = [0.5, 0.25, 0.15, 0.1]: temperature T gives p^(1/T) renormalised, top-k the k largest
 renormalised, top-p the smallest prefix (by probability) reaching p; the empirical
-frequencies of 20000 draws match the explicit distribution."""
+frequencies of 20000 draws (on the test device) match the explicit distribution."""
 import pytest
 import torch
 
@@ -44,21 +44,22 @@ def test_top_p_examples_by_hand():
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(2.0, 0, 1.0), (1.0, 3, 0.8)])
-def test_sample_frequencies_follow_the_distribution(temperature, top_k, top_p):
+def test_sample_frequencies_follow_the_distribution(temperature, top_k, top_p, device):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    generator = torch.Generator().manual_seed(0)
-    draws = sample(LOGITS.expand(20000, 4), params, generator)
+    generator = torch.Generator(device=device).manual_seed(0)
+    draws = sample(LOGITS.to(device).expand(20000, 4), params, generator).cpu()
     freq = torch.bincount(draws, minlength=4).float() / draws.numel()
     assert (freq - _explicit(temperature, top_k, top_p)).abs().max() < 0.015
 
 
-def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy():
-    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(device):
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1)).to(device)
     params = SamplingParams(temperature=1.0)
-    draw = [sample(logits, params, torch.Generator().manual_seed(s)) for s in (5, 5, 6)]
+    draw = [sample(logits, params, torch.Generator(device=device).manual_seed(s))
+            for s in (5, 5, 6)]
     assert torch.equal(draw[0], draw[1]) and not torch.equal(draw[0], draw[2])
     top1 = sample(logits, SamplingParams(temperature=1.3, top_k=1),
-                  torch.Generator().manual_seed(5))
+                  torch.Generator(device=device).manual_seed(5))
     assert torch.equal(top1, logits.argmax(-1))
 
 

@@ -1,15 +1,17 @@
 """Llama-spec GPTModel at TP in {1, 2, 4} vs transformers LlamaForCausalLM, same random weights.
 
-fp32: MHA (fused QKV), GQA with 2 groups (split at TP 2, replicated at TP 4), MQA (one
-group replicated on every rank), a head dim other than hidden/heads, Llama-3 RoPE scaling,
-tied and untied heads, odd vocabulary (203) and odd sequence length (13): logits within
-1e-5, loss within 1e-5 relative, every gradient (gathered over TP) within 1e-4 relative,
-then three AdamW steps on both and the losses still within 1e-5 relative. Also: one-line
-errors for configs megalite cannot express, before any collective.
+fp32 (megalite on the rank's device, transformers on the CPU): MHA (fused QKV), GQA with 2
+groups (split at TP 2, replicated at TP 4), MQA (one group replicated on every rank), a head
+dim other than hidden/heads, Llama-3 RoPE scaling, tied and untied heads, odd vocabulary
+(203) and odd sequence length (13): logits within 1e-5, loss within 1e-5 relative, every
+gradient (gathered over TP) within 1e-4 relative, then three AdamW steps on both and the
+losses still within 1e-5 relative. Also: one-line errors for configs megalite cannot
+express, before any collective.
 """
 import pytest
 import torch
 
+from megalite.device import current_device
 from megalite.hf import llama_config, load_llama, megalite_to_llama
 from megalite.models import GPTModel
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
@@ -43,9 +45,10 @@ def _compare(tp: int, case: str) -> dict:
     model_parallel_seed(0, ps.get_tensor_model_parallel_rank())
     hf = tiny_llama(**CASES[case])
     config = llama_config(hf.config)
-    model = GPTModel(config)
+    model = GPTModel(config, device=current_device())
     load_llama(model, hf.state_dict())
-    tokens = torch.randint(0, VOCAB, (3, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, VOCAB, (3, SEQ + 1),
+                           generator=torch.Generator().manual_seed(1)).to(current_device())
     return hf_parity_errors(model, hf, lambda state: megalite_to_llama(state, config), tokens,
                             VOCAB)
 
@@ -61,9 +64,11 @@ def _bad_configs() -> dict[str, tuple[str, dict]]:
         "yarn rope": lambda: llama_config(LlamaConfig(rope_parameters={
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})),
         "groups vs tp": lambda: GPTModel(llama_config(tiny_llama(
-            num_attention_heads=12, num_key_value_heads=3, hidden_size=96).config)),
+            num_attention_heads=12, num_key_value_heads=3, hidden_size=96).config),
+            device=current_device()),
         "heads vs tp": lambda: GPTModel(llama_config(tiny_llama(
-            num_attention_heads=6, num_key_value_heads=2, hidden_size=96).config)),
+            num_attention_heads=6, num_key_value_heads=2, hidden_size=96).config),
+            device=current_device()),
     }
     for name, build in builders.items():
         with comm.count_bytes() as moved:

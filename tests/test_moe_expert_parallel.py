@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ModelConfig
+from megalite.device import current_device
 from megalite.models.spec import TransformerSpec
 from megalite.moe import MoELayer
 from megalite.mpu import comm, initialize_model_parallel
@@ -27,12 +28,12 @@ COEFFS = dict(aux_loss_coeff=0.1, z_loss_coeff=0.01)
 def _layer(capacity_factor=None) -> MoELayer:
     torch.manual_seed(0)
     return MoELayer(H, E, FFN, K, capacity_factor=capacity_factor, shared_expert_size=8,
-                    **COEFFS)
+                    device=current_device(), **COEFFS)
 
 
 def _inputs(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + dp_rank)
-    return torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+    return tuple(torch.randn(S, B, H, generator=gen).to(current_device()) for _ in range(2))
 
 
 def _reference(dp: int, capacity_factor) -> dict:
@@ -99,12 +100,11 @@ def _compare(tp: int, ep: int, refs: dict, capacity_factor=None) -> dict:
 def _uniform_bytes(ep: int, tokens: int = 16) -> dict:
     """Token t picks experts t mod E and t + 1 mod E: each expert gets T k / E choices."""
     initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
-    layer = _layer()
+    layer, dev = _layer(), current_device()
     with torch.no_grad():
         layer.router.weight.zero_()
-        layer.router.weight[:, :E] = torch.eye(E)
-    t = torch.arange(tokens)
-    x = torch.zeros(tokens, 1, H)
+        layer.router.weight[:, :E] = torch.eye(E, device=dev)
+    t, x = torch.arange(tokens, device=dev), torch.zeros(tokens, 1, H, device=dev)
     x[t, 0, t % E], x[t, 0, (t + 1) % E] = 2.0, 1.0
     x.requires_grad_()
     with comm.count_bytes() as moved:

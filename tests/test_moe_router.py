@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from megalite.config import ModelConfig, ParallelConfig
+from megalite.device import current_device
 from megalite.moe import MoELayer, MoEState, load_balancing_loss, topk_routing, z_loss
 from megalite.moe.router import tokens_per_expert
 from tests import moe_reference as ref
@@ -20,8 +21,8 @@ from tests.reference import rel_err
 
 @pytest.mark.parametrize("score,renorm", [("softmax", False), ("softmax", True),
                                           ("sigmoid", False), ("sigmoid", True)])
-def test_topk_choice_and_weights_match_reference(score, renorm):
-    logits = torch.randn(10, 6, generator=torch.Generator().manual_seed(0))
+def test_topk_choice_and_weights_match_reference(score, renorm, device):
+    logits = torch.randn(10, 6, generator=torch.Generator().manual_seed(0)).to(device)
     logits[3] = torch.tensor([0.5, 2.0, 2.0, 2.0, -1.0, 0.5])  # a three-way tie for the top
     logits[4] = 0.0                                             # all tied
     weights, indices, scores = topk_routing(logits, 2, score, renorm)
@@ -32,8 +33,8 @@ def test_topk_choice_and_weights_match_reference(score, renorm):
     assert rel_err(weights, want) < 1e-6 and rel_err(scores, ref_scores) < 1e-6
 
 
-def test_aux_and_z_loss_match_reference_with_an_idle_expert():
-    logits = torch.randn(12, 5, generator=torch.Generator().manual_seed(1))
+def test_aux_and_z_loss_match_reference_with_an_idle_expert(device):
+    logits = torch.randn(12, 5, generator=torch.Generator().manual_seed(1)).to(device)
     logits[:, 4] = -30.0  # expert 4 is never chosen
     for score in ("softmax", "sigmoid"):
         _, indices, scores = topk_routing(logits, 2, score)
@@ -42,8 +43,7 @@ def test_aux_and_z_loss_match_reference_with_an_idle_expert():
         assert rel_err(load_balancing_loss(scores, indices, 2),
                        ref.aux_loss(ref_scores, choices, 2)) < 1e-6
     assert rel_err(z_loss(logits), ref.z_loss(logits)) < 1e-6
-    uniform = torch.zeros(8, 4)
-    _, indices, scores = topk_routing(uniform + torch.eye(4).repeat(2, 1), 1)
+    _, indices, scores = topk_routing(torch.eye(4, device=device).repeat(2, 1), 1)
     assert abs(load_balancing_loss(scores, indices, 1).item() - 1.0) < 1e-6  # balanced: 1
 
 
@@ -63,10 +63,10 @@ def layer_weights(layer: MoELayer) -> dict:
 @pytest.mark.parametrize("kw", [dict(), dict(capacity_factor=1.0),
                                 dict(shared_expert_size=24, shared_expert_gate=True,
                                      renormalize=True, score_function="sigmoid")])
-def test_single_process_layer_matches_loop_outputs_and_grads(kw):
+def test_single_process_layer_matches_loop_outputs_and_grads(kw, device):
     torch.manual_seed(0)
-    layer = MoELayer(16, 4, 24, 2, aux_loss_coeff=0.1, z_loss_coeff=0.01, **kw)
-    x = torch.randn(5, 2, 16, requires_grad=True)
+    layer = MoELayer(16, 4, 24, 2, aux_loss_coeff=0.1, z_loss_coeff=0.01, device=device, **kw)
+    x = torch.randn(5, 2, 16, requires_grad=True, device=device)
     out = layer(x)
     (out.square().sum()).backward()
     x_ref = x.detach().clone().requires_grad_()
@@ -92,7 +92,8 @@ class _MoEChunk(nn.Module):
         super().__init__()
         self.config = SimpleNamespace(hidden_size=hidden)
         self.moe_state = MoEState()
-        self.moe = MoELayer(hidden, 4, 24, 2, aux_loss_coeff=coeff, moe_state=self.moe_state)
+        self.moe = MoELayer(hidden, 4, 24, 2, aux_loss_coeff=coeff, moe_state=self.moe_state,
+                            device=current_device())
 
     def set_input_tensor(self, tensor) -> None:
         assert tensor is None
@@ -109,7 +110,8 @@ def _aux_grads_in_and_after_a_step(loss_scale: float, coeff: float) -> dict:
     initialize_model_parallel(1, 1)
     torch.manual_seed(0)
     chunk = _MoEChunk(16, coeff)
-    xs = [torch.randn(5, 2, 16, generator=torch.Generator().manual_seed(m)) for m in range(3)]
+    xs = [torch.randn(5, 2, 16, generator=torch.Generator().manual_seed(m)).to(current_device())
+          for m in range(3)]
 
     def reference_aux_grad(x: torch.Tensor) -> torch.Tensor:
         weight = chunk.moe.router.weight.detach().clone().requires_grad_()
@@ -118,7 +120,7 @@ def _aux_grads_in_and_after_a_step(loss_scale: float, coeff: float) -> dict:
         return weight.grad
 
     def step_func(iterator, model):
-        return model(next(iterator)), lambda out: ((out * 0).sum(), {"lm loss": torch.zeros(())})
+        return model(next(iterator)), lambda out: ((out * 0).sum(), {"lm loss": out.new_zeros(())})
     out = {"in step": [], "tokens": []}
     for _ in range(2):
         chunk.zero_grad()

@@ -12,6 +12,7 @@ rank's shard only, before summing over DP and the model-parallel group.
 import torch
 
 from megalite.config import PrecisionConfig
+from megalite.device import current_device
 from megalite.distributed import DistributedDataParallel
 from megalite.models import GPTModel
 from megalite.models.stage import (allreduce_shared_embedding_grads, build_model_chunks,
@@ -40,7 +41,8 @@ def _parallel_norm(tokens: torch.Tensor, sharded: bool) -> float:
     config = opt_config(use_distributed_optimizer=sharded)
 
     def provider(pre_process: bool, post_process: bool) -> DistributedDataParallel:
-        return DistributedDataParallel(GPTModel(CONFIG, pre_process, post_process),
+        return DistributedDataParallel(GPTModel(CONFIG, pre_process, post_process,
+                                                device=current_device()),
                                        use_distributed_optimizer=sharded)
     chunks = build_model_chunks(provider)
     sync_shared_embedding(chunks)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megalite.device import current_device
 from megalite.distributed import DistributedDataParallel
 from megalite.mpu import parallel_state as ps
 from tests.multirank import run_on_ranks, thread_count
@@ -41,7 +42,7 @@ def _my_groups(tp: int, pp: int) -> dict:
                   ps.get_data_parallel_world_size()),
     }
     # The groups really are usable: an all-reduce of the global rank over TP sums the TP ranks.
-    t = torch.tensor([float(rank)])
+    t = torch.tensor([float(rank)], device=current_device())
     dist.all_reduce(t, group=ps.get_tensor_model_parallel_group())
     info["tp_sum"] = t.item()
     return info
@@ -109,8 +110,8 @@ def _ddp_step(tp: int, pp: int) -> weakref.ref:
     """Initialise (tp, pp) over whatever layout is there, train a DDP-wrapped layer once and
     drop it; a weak reference to the wrapper."""
     ps.initialize_model_parallel(tp, pp)
-    model = DistributedDataParallel(torch.nn.Linear(4, 4))
-    model(torch.ones(2, 4)).sum().backward()
+    model = DistributedDataParallel(torch.nn.Linear(4, 4, device=current_device()))
+    model(torch.ones(2, 4, device=current_device())).sum().backward()
     model.finish_grad_sync()
     return weakref.ref(model)
 

@@ -1,5 +1,5 @@
 """Executor pieces that need no process group: forward-only tables, freeing sent
-activations, and the single-stage (PP = 1) step with loss scaling."""
+activations, and the single-stage (PP = 1) step with loss scaling (on the test device)."""
 import pytest
 import torch
 
@@ -24,10 +24,10 @@ def test_forward_only_tables_run_every_forward_without_deadlock(case):
         assert sum(ins.kind is Kind.FORWARD for ins in rank) == m * v
 
 
-def test_free_output_releases_storage_and_backward_still_works():
-    x = torch.randn(8, 2, 32, requires_grad=True)
-    w = torch.randn(32, 32)
-    out, grad = x @ w + 1.0, torch.randn(8, 2, 32)
+def test_free_output_releases_storage_and_backward_still_works(device):
+    x = torch.randn(8, 2, 32, requires_grad=True, device=device)
+    w = torch.randn(32, 32, device=device)
+    out, grad = x @ w + 1.0, torch.randn(8, 2, 32, device=device)
     free_output(out)
     assert out.untyped_storage().nbytes() == out.element_size() and out.shape == x.shape
     torch.autograd.backward(out, grad_tensors=grad)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.device import current_device
 from megalite.models import GPTModel
 from megalite.models.stage import (build_model_chunks, finalize_model_grads,
                                    shared_embedding_params, sync_shared_embedding)
@@ -59,9 +60,10 @@ class Recorder(nn.Module):
 
 
 def batch(m: int) -> torch.Tensor:
-    """The global batch: m microbatches of MICRO sequences of SEQ + 1 tokens."""
+    """The global batch: m microbatches of MICRO sequences of SEQ + 1 tokens, on this
+    process's device."""
     return torch.randint(0, CONFIG.vocab_size, (m * MICRO, SEQ + 1),
-                         generator=torch.Generator().manual_seed(m))
+                         generator=torch.Generator().manual_seed(m)).to(current_device())
 
 
 def loss_func(per_token: torch.Tensor):
@@ -75,14 +77,16 @@ def forward_step(data_iterator, chunk: nn.Module):
 
 
 def provider(config: ModelConfig, pre_process: bool, post_process: bool) -> nn.Module:
-    return Recorder(GPTModel(config, pre_process, post_process, init_seed=SEED))
+    return Recorder(GPTModel(config, pre_process, post_process, init_seed=SEED,
+                             device=current_device()))
 
 
 def reference(m: int, model_name: str = "gpt2") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Single-stage model on the whole batch: per-microbatch losses [m], grads of the mean."""
     initialize_model_parallel(1, 1)
     config = MODELS[model_name]
-    model = GPTModel(config, layer_range=(0, config.num_layers), init_seed=SEED)
+    model = GPTModel(config, layer_range=(0, config.num_layers), init_seed=SEED,
+                     device=current_device())
     tokens = batch(m)
     per_token = model(tokens[:, :-1], tokens[:, 1:])
     per_token.mean().backward()
@@ -131,8 +135,8 @@ def clear_errors() -> dict[str, tuple[str, dict]]:
     bad = dataclasses.replace(CONFIG, num_layers=12)
     with comm.count_bytes() as moved:
         try:
-            build_model_chunks(lambda pre_process, post_process: GPTModel(bad, pre_process,
-                                                                          post_process))
+            build_model_chunks(lambda pre_process, post_process: GPTModel(
+                bad, pre_process, post_process, device=current_device()))
         except ValueError as e:
             out["layers"] = (str(e), dict(moved))
     chunks = build_model_chunks(functools.partial(provider, CONFIG))

@@ -9,6 +9,7 @@ import pytest
 from megalite import planner
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig, OptimizerConfig,
                              ParallelConfig, PrecisionConfig, TrainConfig)
+from megalite.device import current_device
 from megalite.metrics import flops_per_iteration
 from megalite.models import GPTModel
 from megalite.mpu import initialize_model_parallel
@@ -195,7 +196,7 @@ def llama(c: Configs, groups: int = 2) -> Configs:
 def _tp_params(tp: int, spec: str) -> tuple[int, int]:
     initialize_model_parallel(tp, 1)
     c = configs(layers=2)
-    model = GPTModel((llama(c) if spec == "llama" else c).model)
+    model = GPTModel((llama(c) if spec == "llama" else c).model, device=current_device())
     return sum(q.numel() for q in model.parameters()), pad_vocab_size(1000, 128, tp)
 
 

@@ -12,6 +12,7 @@ loss curves agree to the resolution of the parameter dtype (measured: bf16 ~1e-4
 import torch
 
 from megalite.config import PrecisionConfig
+from megalite.device import current_device
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import OptimizerParamScheduler
 from tests.multirank import run_on_ranks
@@ -25,15 +26,15 @@ TOLERANCE = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
 
 def rule_batches(steps: int, size: int, seed: int = 3) -> list[torch.Tensor]:
-    """Token sequences [size, SEQ + 1] following x[t+1] = (5 x[t] + 3) mod VOCAB."""
+    """Token sequences [size, SEQ + 1] following x[t+1] = (5 x[t] + 3) mod VOCAB, on this
+    rank's device."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        tokens = torch.empty(size, SEQ + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, VOCAB, (size,), generator=gen)
-        for t in range(SEQ):
-            tokens[:, t + 1] = (5 * tokens[:, t] + 3) % VOCAB
-        out.append(tokens)
+        columns = [torch.randint(0, VOCAB, (size,), generator=gen).to(current_device())]
+        for _ in range(SEQ):
+            columns.append((5 * columns[-1] + 3) % VOCAB)
+        out.append(torch.stack(columns, dim=1))
     return out
 
 

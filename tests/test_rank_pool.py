@@ -5,11 +5,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megalite.device import current_device
 from megalite.rank_pool import RankPool
 
 
 def _rank_and_sum() -> tuple[int, float]:
-    value = torch.tensor([float(dist.get_rank() + 1)])
+    value = torch.tensor([float(dist.get_rank() + 1)], device=current_device())
     dist.all_reduce(value)
     return dist.get_rank(), value.item()
 

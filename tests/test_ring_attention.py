@@ -1,6 +1,7 @@
 """Ring attention at CP in {2, 4, 8} vs SDPA on the whole sequence in one process.
 
-Every rank builds the same q, k, v [b, heads, s, d] (GQA: 4 heads, 2 KV groups), runs
+Every rank builds the same q, k, v [b, heads, s, d] (GQA: 4 heads, 2 KV groups) on its
+device, runs
 F.scaled_dot_product_attention on the whole sequence as the reference, and ring attention
 on its own load-balanced chunks (r and 2 cp - 1 - r): output and dQ/dK/dV of its tokens
 within 1e-5 relative, causal and not. Also checked: the chunk assignment as data, the
@@ -10,6 +11,7 @@ call (forward (cp - 1) 2 (s/cp) b g d elements sent, backward (2 cp - 1) of them
 import torch
 import torch.nn.functional as F
 
+from megalite.device import current_device
 from megalite.mpu import comm, initialize_model_parallel
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.context_parallel import chunk_positions
@@ -22,13 +24,13 @@ B, HEADS, GROUPS, SEQ, D = 2, 4, 2, 32, 8
 
 def _case(cp: int, causal: bool) -> dict:
     initialize_model_parallel(1, 1, context_parallel_size=cp)
-    gen = torch.Generator().manual_seed(cp + 10 * causal)
-    q, k, v = (torch.randn(B, n, SEQ, D, generator=gen) for n in (HEADS, GROUPS, GROUPS))
-    dout = torch.randn(B, HEADS, SEQ, D, generator=gen)
+    gen, dev = torch.Generator().manual_seed(cp + 10 * causal), current_device()
+    q, k, v = (torch.randn(B, n, SEQ, D, generator=gen).to(dev) for n in (HEADS, GROUPS, GROUPS))
+    dout = torch.randn(B, HEADS, SEQ, D, generator=gen).to(dev)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True)
     ref.backward(dout)
-    index = chunk_positions(SEQ, cp, ps.get_context_parallel_rank())
+    index = chunk_positions(SEQ, cp, ps.get_context_parallel_rank(), device=dev)
     local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
     attention_work.clear()
     with comm.count_bytes() as forward_bytes:

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config import ModelConfig
+from megalite.device import current_device
 from megalite.models import GPTModel
 from megalite.mpu import get_rng_tracker, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
@@ -14,7 +15,7 @@ from tests.multirank import run_on_ranks
 def _masks_across_tp() -> tuple[bool, bool]:
     initialize_model_parallel(2, 1)
     model_parallel_seed(5, ps.get_tensor_model_parallel_rank())
-    ones = torch.ones(4096)
+    ones = torch.ones(4096, device=current_device())
     outside = F.dropout(ones, 0.5)
     with get_rng_tracker().fork():
         inside = F.dropout(ones, 0.5)
@@ -33,8 +34,9 @@ def _attention_dropout_differs_per_rank() -> bool:
     initialize_model_parallel(2, 1)
     model_parallel_seed(5, ps.get_tensor_model_parallel_rank())
     from megalite.mpu import ParallelAttention
-    attn = ParallelAttention(hidden_size=16, num_attention_heads=2, attention_dropout=0.5).train()
-    q = torch.ones(1, 1, 64, 8)  # identical inputs on both ranks
+    attn = ParallelAttention(hidden_size=16, num_attention_heads=2, attention_dropout=0.5,
+                             device=current_device()).train()
+    q = torch.ones(1, 1, 64, 8, device=current_device())  # identical inputs on both ranks
     out = attn.core_attention(q, q, q, None)
     both = all_gather_stacked(out, ps.get_tensor_model_parallel_group())
     return torch.equal(both[0], both[1])
@@ -51,8 +53,9 @@ def _grads_with_recompute(granularity: str | None, method: str = "uniform", n: i
                          recompute_granularity=granularity, recompute_method=method,
                          recompute_num_layers=n)
     model_parallel_seed(seed, ps.get_tensor_model_parallel_rank())
-    model = GPTModel(config).train()
-    tokens = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(3))
+    model = GPTModel(config, device=current_device()).train()
+    tokens = torch.randint(0, 97, (2, 13),
+                           generator=torch.Generator().manual_seed(3)).to(current_device())
     model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 

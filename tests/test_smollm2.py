@@ -7,6 +7,7 @@ pipeline schedule).
 import pytest
 import torch
 
+from megalite.device import current_device
 from megalite.hf import smollm2_gguf_path
 from megalite.models import GPTModel
 from megalite.models.sharding import load_full_state_dict
@@ -26,7 +27,7 @@ def _logits(state_path: str, prompt_ids: list[torch.Tensor], tp: int, pp: int) -
     initialize_model_parallel(tp, pp)
     config, state = read_megalite_state(state_path)
     chunks = build_model_chunks(lambda pre_process, post_process: GPTModel(
-        config, pre_process, post_process).eval())
+        config, pre_process, post_process, device=current_device()).eval())
     load_full_state_dict(chunks, state)
     out = []
 
@@ -39,7 +40,8 @@ def _logits(state_path: str, prompt_ids: list[torch.Tensor], tp: int, pp: int) -
         return model(ids), keep_logits
     with torch.no_grad():
         for ids in prompt_ids:
-            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([ids]),
+            get_forward_backward_func()(forward_step_func=forward_step,
+                                        data_iterator=iter([ids.to(current_device())]),
                                         model=chunks[0], num_microbatches=1,
                                         seq_length=ids.shape[1], micro_batch_size=1,
                                         forward_only=True)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from megalite import planner
+from megalite.device import current_device
 from megalite.models import GPTModel
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
@@ -35,13 +36,13 @@ LAYERS, HIDDEN = GPT2.num_layers, GPT2.hidden_size
 
 def _tokens() -> torch.Tensor:
     return torch.randint(0, GPT2.vocab_size, (MICRO, SEQ + 1),
-                         generator=torch.Generator().manual_seed(3))
+                         generator=torch.Generator().manual_seed(3)).to(current_device())
 
 
 def _counts(config, tp: int, cp: int, sp: bool) -> dict:
     initialize_model_parallel(tp, 1, context_parallel_size=cp)
     model_parallel_seed(1234, ps.get_tensor_model_parallel_rank())
-    model = GPTModel(config, sequence_parallel=sp)
+    model = GPTModel(config, sequence_parallel=sp, device=current_device())
     tokens = _tokens()
     inputs, labels, positions = get_batch_on_this_cp_rank(tokens[:, :-1], tokens[:, 1:])
     with comm.count_bytes() as counted:

@@ -2,13 +2,15 @@
 
 Every rank builds the same reference (nn.Linear / nn.Embedding / F.cross_entropy) from a
 shared seed, copies its slice into the parallel layer, and compares the forward output,
-the input grad and the weight/bias grads (sliced). Tolerance 1e-5 (fp32, sums reordered).
+the input grad and the weight/bias grads (sliced), all on the rank's device. Tolerance 1e-5
+(fp32, sums reordered).
 """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.device import current_device
 from megalite.mpu import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                           initialize_model_parallel, parallel_state as ps,
                           vocab_parallel_cross_entropy)
@@ -25,9 +27,10 @@ def _slice(full: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _check_column(gather_output: bool) -> None:
     torch.manual_seed(0)
-    ref = nn.Linear(24, 40)
-    x = torch.randn(5, 3, 24, requires_grad=True)
-    layer = ColumnParallelLinear(24, 40, gather_output=gather_output)
+    dev = current_device()
+    ref = nn.Linear(24, 40, device=dev)
+    x = torch.randn(5, 3, 24, requires_grad=True, device=dev)
+    layer = ColumnParallelLinear(24, 40, gather_output=gather_output, device=dev)
     with torch.no_grad():
         layer.weight.copy_(_slice(ref.weight, 0))
         layer.bias.copy_(_slice(ref.bias, 0))
@@ -46,9 +49,10 @@ def _check_column(gather_output: bool) -> None:
 
 def _check_row(input_is_parallel: bool) -> None:
     torch.manual_seed(1)
-    ref = nn.Linear(32, 12)
-    x = torch.randn(5, 3, 32, requires_grad=True)
-    layer = RowParallelLinear(32, 12, input_is_parallel=input_is_parallel)
+    dev = current_device()
+    ref = nn.Linear(32, 12, device=dev)
+    x = torch.randn(5, 3, 32, requires_grad=True, device=dev)
+    layer = RowParallelLinear(32, 12, input_is_parallel=input_is_parallel, device=dev)
     with torch.no_grad():
         layer.weight.copy_(_slice(ref.weight, 1))
         layer.bias.copy_(ref.bias)
@@ -68,25 +72,26 @@ def _check_row(input_is_parallel: bool) -> None:
 def _check_embedding_and_cross_entropy(vocab: int) -> None:
     """vocab=50 is not divisible by any TP > 1 and pads to 128 * TP; padding never wins."""
     torch.manual_seed(2)
-    ref = nn.Embedding(vocab, 16)
-    ids = torch.randint(0, vocab, (4, 7))
-    layer = VocabParallelEmbedding(vocab, 16)
+    dev = current_device()
+    ref = nn.Embedding(vocab, 16, device=dev)
+    ids = torch.randint(0, vocab, (4, 7), device=dev)
+    layer = VocabParallelEmbedding(vocab, 16, device=dev)
     padded = layer.padded_num_embeddings
     assert padded % (128 * ps.get_tensor_model_parallel_world_size()) == 0
     with torch.no_grad():
-        full = torch.cat([ref.weight, torch.zeros(padded - vocab, 16)])
+        full = torch.cat([ref.weight, torch.zeros(padded - vocab, 16, device=dev)])
         layer.weight.copy_(_slice(full, 0))
     out = layer(ids)
     torch.testing.assert_close(out, ref(ids), **TOL)
-    grad = torch.randn(4, 7, 16)
+    grad = torch.randn(4, 7, 16, device=dev)
     ref(ids).backward(grad)
     out.backward(grad)
-    full_grad = torch.cat([ref.weight.grad, torch.zeros(padded - vocab, 16)])
+    full_grad = torch.cat([ref.weight.grad, torch.zeros(padded - vocab, 16, device=dev)])
     torch.testing.assert_close(layer.weight.grad, _slice(full_grad, 0), **TOL)
 
     # Tied LM head + vocab-parallel cross entropy against F.cross_entropy on full logits.
-    hidden = torch.randn(7, 4, 16, requires_grad=True)
-    target = torch.randint(0, vocab, (7, 4))
+    hidden = torch.randn(7, 4, 16, requires_grad=True, device=dev)
+    target = torch.randint(0, vocab, (7, 4), device=dev)
     hidden_local = hidden.detach().clone().requires_grad_()
     layer.weight.grad = None
     logits = layer.lm_logits(hidden_local)
@@ -96,11 +101,11 @@ def _check_embedding_and_cross_entropy(vocab: int) -> None:
     want = F.cross_entropy(want_logits.reshape(-1, vocab), target.reshape(-1),
                            reduction="none").view(7, 4)
     torch.testing.assert_close(loss, want, **TOL)
-    loss_grad = torch.rand(7, 4)
+    loss_grad = torch.rand(7, 4, device=dev)
     want.backward(loss_grad)
     loss.backward(loss_grad)
     torch.testing.assert_close(hidden_local.grad, hidden.grad, **TOL)
-    full_grad = torch.cat([ref.weight.grad, torch.zeros(padded - vocab, 16)])
+    full_grad = torch.cat([ref.weight.grad, torch.zeros(padded - vocab, 16, device=dev)])
     torch.testing.assert_close(layer.weight.grad, _slice(full_grad, 0), **TOL)
     assert torch.isinf(logits[..., layer.weight.shape[0] - layer.num_padding_rows:]).all()
 
@@ -129,9 +134,9 @@ def _init_independent_of_tp() -> dict:
     for tp in (1, 4):
         initialize_model_parallel(tp, 1)
         torch.manual_seed(7)
-        col = ColumnParallelLinear(8, 16)
+        col = ColumnParallelLinear(8, 16, device=current_device())
         torch.manual_seed(7)
-        emb = VocabParallelEmbedding(50, 8)
+        emb = VocabParallelEmbedding(50, 8, device=current_device())
         out[tp] = (gather_tensor_parallel(col.weight.data, col.weight),
                    gather_tensor_parallel(emb.weight.data, emb.weight))
         ps.destroy_model_parallel()

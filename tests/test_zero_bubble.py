@@ -14,6 +14,7 @@ from functools import cache
 import pytest
 import torch
 
+from megalite.device import current_device
 from megalite.mpu import ColumnParallelLinear, RowParallelLinear
 from megalite.mpu.weight_grad import apply_weight_grads, defer_weight_grads
 from megalite.schedules.accounting import (bubble_fraction, peak_inflight_activations,
@@ -123,13 +124,14 @@ def test_invalid_arguments_raise_one_clear_line(build, arg):
     assert str(err.value).startswith(f"{arg}: expected ") and "\n" not in str(err.value)
 
 
-def test_parallel_linears_defer_weight_grads_until_applied():
+def test_parallel_linears_defer_weight_grads_until_applied(device):
     """Column- then row-parallel linear (TP 1, as in an MLP) vs nn.Linear: inside
     defer_weight_grads the input and bias grads are final and the weight grads queued."""
     torch.manual_seed(0)
-    column, row = ColumnParallelLinear(6, 5), RowParallelLinear(5, 4)
-    x, grad_y = torch.randn(4, 3, 6, requires_grad=True), torch.randn(4, 3, 4)
-    references = [torch.nn.Linear(6, 5), torch.nn.Linear(5, 4)]
+    column, row = ColumnParallelLinear(6, 5, device=device), RowParallelLinear(5, 4, device=device)
+    x = torch.randn(4, 3, 6, requires_grad=True, device=device)
+    grad_y = torch.randn(4, 3, 4, device=device)
+    references = [torch.nn.Linear(6, 5, device=device), torch.nn.Linear(5, 4, device=device)]
     for reference, layer in zip(references, (column, row)):
         reference.load_state_dict(layer.state_dict())
     x_ref = x.detach().clone().requires_grad_()
@@ -150,7 +152,8 @@ class _NormedColumn(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.linear, self.norm = ColumnParallelLinear(4, 4), torch.nn.LayerNorm(4)
+        self.linear = ColumnParallelLinear(4, 4, device=current_device())
+        self.norm = torch.nn.LayerNorm(4, device=current_device())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.linear(x)[0])
@@ -162,7 +165,7 @@ def _bucket_fires_on_last_w() -> dict:
     initialize_model_parallel(1, 1)
     torch.manual_seed(0)
     model = DistributedDataParallel(_NormedColumn())
-    loss = model(torch.randn(3, 4)).square().sum()
+    loss = model(torch.randn(3, 4, device=current_device())).square().sum()
     with defer_weight_grads() as work:
         loss.backward()
     launched_after_b = [b.launched for b in model.buckets()]
