@@ -83,8 +83,10 @@ def _timeout_verdicts() -> bool:
     import torch
     import torch.distributed as dist
 
+    from megalite.device import current_device
     from megalite.inference.serving import CompletionServer, Limits
-    server = CompletionServer(torch.nn.Linear(1, 1), None, "m", Limits(request_timeout=1.0))
+    model = torch.nn.Linear(1, 1, device=current_device())  # the verdict travels on its device
+    server = CompletionServer(model, None, "m", Limits(request_timeout=1.0))
     return server._timed_out(time.perf_counter() - (5.0 if dist.get_rank() == 0 else 0.0))
 
 
