@@ -12,7 +12,11 @@ share one GPU between ranks); otherwise the workers see no GPU and run on the CP
 
 Bounded failure: if any rank raises, the pool is killed at once and `run` raises with
 that rank's traceback; ranks that do not answer within `timeout_s` are killed and named.
+The workers are not daemonic, so a task may start processes of its own (a DataLoader's
+workers); they stop when the pool closes, when this process exits, or when it is gone (end
+of file on their pipe).
 """
+import atexit
 import multiprocessing as mp
 import os
 import sys
@@ -20,6 +24,7 @@ import tempfile
 import time
 import traceback
 from multiprocessing.connection import wait
+from collections.abc import Iterator
 from typing import Any, Callable
 
 
@@ -27,6 +32,18 @@ def on_gpus(world_size: int) -> bool:
     """Whether `world_size` local ranks run on GPUs: one visible GPU for each."""
     import torch
     return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+
+
+def _tasks(conn) -> Iterator[tuple]:
+    """The tasks the pool sends, until it sends None or its end of the pipe is gone."""
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        yield task
 
 
 def _worker(rank: int, world_size: int, store_file: str, conn, sys_path: list[str],
@@ -39,8 +56,7 @@ def _worker(rank: int, world_size: int, store_file: str, conn, sys_path: list[st
     from megalite.device import init_distributed
     from megalite.mpu import parallel_state
     init_distributed(rank, world_size, f"file://{store_file}", timeout_s=timeout_s)
-    while (task := conn.recv()) is not None:
-        fn, args, kwargs = task
+    for fn, args, kwargs in _tasks(conn):
         try:
             conn.send(("ok", tree_map_only(torch.Tensor, torch.Tensor.cpu, fn(*args, **kwargs))))
         except BaseException:  # report everything, including assertion failures
@@ -65,11 +81,12 @@ class RankPool:
         env = {**({} if on_gpus(world_size) else {"CUDA_VISIBLE_DEVICES": ""}), **(env or {})}
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, daemon=True, args=(
+            proc = ctx.Process(target=_worker, args=(
                 rank, world_size, store_file, child, sys.path, timeout_s, env))
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
+        atexit.register(self.close, kill=True)  # before multiprocessing's exit joins them
 
     def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
         """`fn(*args, **kwargs)` on every rank (a module-level function: it is pickled by
@@ -110,6 +127,7 @@ class RankPool:
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers: politely, or at once (`kill`) when some may be stuck."""
+        atexit.unregister(self.close)
         for conn, proc in zip(self.conns, self.procs):
             if kill:
                 proc.kill()
