@@ -5,6 +5,7 @@ sequences: `--sequence-parallel` (TP > 1) and `--cp N` (context parallelism).
 Own data: `--data-path PREFIX --tokenizer TOKENIZER` (see tools/preprocess_data.py).
 """
 import functools
+import itertools
 import os
 import sys
 from collections.abc import Iterator
@@ -16,11 +17,12 @@ from megalite import checkpointing, device
 from megalite.config import Configs, parse_configs
 from megalite.data.builtin_corpus import builtin_corpus
 from megalite.data.gpt_dataset import build_gpt_datasets, parse_data_path
-from megalite.data.samplers import PretrainingSampler, batch_iterator
+from megalite.data.loader import default_num_workers, token_batches
+from megalite.data.samplers import PretrainingSampler
 from megalite.data.tokenizers import build_tokenizer
 from megalite.models import GPTModel
 from megalite.mpu import parallel_state as ps
-from megalite.mpu.context_parallel import get_batch_on_this_cp_rank
+from megalite.mpu.context_parallel import chunk_positions, get_batch_on_this_cp_rank
 from megalite.resilience import NonFiniteError
 from megalite.training import pretrain
 
@@ -81,14 +83,29 @@ def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, tor
 
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     """tokens [b, s+1] -> per-token loss [b, s] on the last stage (hidden [s, b, h] elsewhere);
-    with context parallelism this CP rank's [b, s/cp] tokens, labels and positions."""
-    tokens = next(data_iterator)["tokens"].to(device.current_device())
+    with context parallelism this CP rank's [b, s/cp] tokens, labels and positions. A batch
+    without tokens is a middle stage's: its input comes from the previous stage."""
+    batch = next(data_iterator)
+    if "tokens" not in batch:
+        return model(None, None, batch["position_ids"]), loss_func
+    tokens = batch["tokens"].to(device.current_device(), non_blocking=True)
     inputs, labels, position_ids = get_batch_on_this_cp_rank(tokens[:, :-1], tokens[:, 1:])
     return model(inputs, labels, position_ids), loss_func
 
 
+def middle_stage_batches(seq_length: int) -> Iterator[dict]:
+    """The batches of a rank that holds neither the first nor the last pipeline stage: no
+    tokens, only this CP rank's positions [1, s/cp] (None without CP) for rotary embeddings."""
+    cp = ps.get_context_parallel_world_size()
+    positions = None if cp == 1 else chunk_positions(
+        seq_length, cp, ps.get_context_parallel_rank(), device.current_device()).unsqueeze(0)
+    return itertools.repeat({"position_ids": positions})
+
+
 def datasets_provider(configs: Configs, num_samples: tuple[int, int, int], consumed: int):
-    """Train and validation iterators over this DP rank's microbatches."""
+    """Train and validation iterators over this DP rank's microbatches. Only the ranks of the
+    first stage (inputs) and of the last (labels) read tokens, each TP rank its own copy,
+    built by --num-workers processes and moved to the device; middle stages read none."""
     d, t = configs.data, configs.train
     cache = d.data_cache_dir or os.path.join(os.path.dirname(parse_data_path(d.data_path)[1][0]),
                                              "index_cache")
@@ -96,12 +113,17 @@ def datasets_provider(configs: Configs, num_samples: tuple[int, int, int], consu
                                          cache, is_builder_rank=dist.get_rank() == 0,
                                          barrier=dist.barrier)
     rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    reads_tokens = ps.is_pipeline_first_stage(ignore_virtual=True) or \
+        ps.is_pipeline_last_stage(ignore_virtual=True)
+    workers = default_num_workers() if d.num_workers is None else d.num_workers
 
     def iterator(dataset, start: int):
         if dataset is None:
             return None
-        return batch_iterator(dataset, PretrainingSampler(len(dataset), start,
-                                                          t.micro_batch_size, rank, size))
+        if not reads_tokens:
+            return middle_stage_batches(t.seq_length)
+        sampler = PretrainingSampler(len(dataset), start, t.micro_batch_size, rank, size)
+        return token_batches(dataset, sampler, workers, device.current_device())
     return iterator(train, consumed), iterator(valid, 0)
 
 

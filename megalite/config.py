@@ -247,6 +247,8 @@ class DataConfig:
     split: str = arg("969,30,1", "train,valid,test document ratios")
     tokenizer: str | None = arg(None, "sentencepiece .model or Hugging Face tokenizer directory")
     data_cache_dir: str | None = arg(None, "where sample indices are cached (default: beside data)")
+    num_workers: int | None = arg(None, "processes that build the batches (0: the training "
+                                        "process; default 1 on CUDA, 0 on the CPU)")
 
 
 @dataclass
@@ -315,7 +317,7 @@ MINIMUM = {
     "ddp_bucket_size": 1, "micro_batch_size": 1, "global_batch_size": 1,
     "seq_length": 1, "train_iters": 0, "exit_interval": 1, "eval_interval": 0,
     "eval_iters": 0, "log_interval": 1, "max_skipped_steps": 1, "save_interval": 1,
-    "keep_latest_checkpoints": 1, "num_labels": 2, "epochs": 1,
+    "keep_latest_checkpoints": 1, "num_labels": 2, "epochs": 1, "num_workers": 0,
 }
 # Of these, the ones that must be strictly greater than their minimum.
 STRICTLY_ABOVE = frozenset({"distributed_timeout_minutes", "loss_scale", "initial_loss_scale",

@@ -8,7 +8,8 @@ from megalite.data.blended_dataset import build_blending_indices
 from megalite.data.gpt_dataset import (GPTDataset, build_gpt_datasets, parse_data_path,
                                        split_document_ranges)
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from megalite.data.samplers import PretrainingSampler, batch_iterator
+from megalite.data.loader import TimedIterator, token_batches
+from megalite.data.samplers import PretrainingSampler
 
 
 def write_dataset(prefix, num_documents, base=0, seed=0, max_sequences=1):
@@ -137,13 +138,17 @@ def test_sampler_dp_slices_and_resume():
         PretrainingSampler(total, 0, mbs, 3, dp)
 
 
-def test_batch_iterator(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_token_batches_follow_the_sampler_with_any_number_of_workers(tmp_path, device, workers):
     write_dataset(tmp_path / "d", 20)
     (train, _, _) = build_gpt_datasets([str(tmp_path / "d")], "1,0,0", 8, (24, 0, 0), 0, None)
-    batches = list(batch_iterator(train, PretrainingSampler(len(train), 8, 4, 1, 2)))
-    assert len(batches) == 2
-    for step, batch in enumerate(batches):
+    batches = TimedIterator(token_batches(train, PretrainingSampler(len(train), 8, 4, 1, 2),
+                                          workers, device))
+    got = list(batches)
+    assert len(got) == 2 and batches.take() > 0 and batches.seconds == 0
+    for step, batch in enumerate(got):
         assert batch["tokens"].dtype == torch.int64 and batch["tokens"].shape == (4, 9)
+        assert batch["tokens"].device == device
         first = 8 + step * 8 + 4
         expected = np.stack([train[i]["tokens"] for i in range(first, first + 4)])
-        np.testing.assert_array_equal(batch["tokens"].numpy(), expected)
+        np.testing.assert_array_equal(batch["tokens"].cpu().numpy(), expected)

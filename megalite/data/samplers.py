@@ -1,4 +1,4 @@
-"""Data-parallel microbatch samplers and the iterator that collates their batches.
+"""Data-parallel microbatch samplers (megalite.data.loader collates their batches).
 
 `PretrainingSampler` follows Megatron's MegatronPretrainingSampler: the indices
 consumed_samples, consumed_samples + 1, ... are cut into global chunks of
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 
@@ -44,14 +43,6 @@ class PretrainingSampler:
         first = self.consumed_samples + self.data_parallel_rank * self.micro_batch_size
         for start in range(first, first + len(self) * self.global_chunk, self.global_chunk):
             yield list(range(start, start + self.micro_batch_size))
-
-
-def batch_iterator(dataset, sampler) -> Iterator[dict[str, torch.Tensor]]:
-    """Batches {"tokens": int64 tensor [micro_batch_size, seq_length + 1]} of `dataset`
-    samples in the order `sampler` yields their indices."""
-    for indices in sampler:
-        tokens = np.stack([dataset[i]["tokens"] for i in indices])
-        yield {"tokens": torch.from_numpy(tokens.astype(np.int64))}
 
 
 class EpochSampler:
