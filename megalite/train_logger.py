@@ -25,7 +25,8 @@ def log(message: str) -> None:
 class TrainingLogger:
     """Every --log-interval steps one line (and, with --tensorboard-dir / --wandb-project, one
     scalar each, written by the last rank) of: loss, lr, grad norm, loss scale, skipped
-    steps, ms/iter, tokens/s, TFLOP/s per device, peak memory. `validation` adds loss and
+    steps, ms/iter, the part of it spent waiting for batches (data ms/iter), tokens/s, TFLOP/s
+    per device, peak memory. `validation` adds loss and
     perplexity. `loss_key` names the logged loss; `flops` is the model FLOPs of one
     iteration (default: a language model's, whose output layer spans the padded vocabulary).
     MoE models add the last step's routing stats, read from this rank's `model` chunks.
@@ -41,7 +42,7 @@ class TrainingLogger:
         self.losses: list[float] = []
         self.grad_norm: float | None = None  # of the last step (None: not computed)
         self.skipped = self.steps = 0
-        self.start = time.time()
+        self.start, self.data_seconds = time.time(), 0.0
         t = configs.train
         writes = dist.get_rank() == dist.get_world_size() - 1
         self.writers = ScalarWriters(t.tensorboard_dir, t.wandb_project,
@@ -49,12 +50,14 @@ class TrainingLogger:
             else ScalarWriters()
 
     def step(self, iteration: int, loss: float, stepped: bool, grad_norm: float | None,
-             lr: float, loss_scale: float) -> None:
+             lr: float, loss_scale: float, data_seconds: float = 0.0) -> None:
+        """One step's figures; `data_seconds`: how long it waited for its batches."""
         if math.isfinite(loss):
             self.losses.append(loss)
         self.grad_norm = grad_norm
         self.skipped += not stepped
         self.steps += 1
+        self.data_seconds += data_seconds
         t = self.configs.train
         if iteration % t.log_interval and iteration != t.train_iters:
             return
@@ -66,6 +69,7 @@ class TrainingLogger:
             "grad norm": math.nan if self.grad_norm is None else self.grad_norm,
             "loss scale": loss_scale, "skipped steps": self.skipped,
             "ms per iteration": 1000 * elapsed,
+            "data ms per iteration": 1000 * self.data_seconds / self.steps,
             "tokens per second": self.layout.global_batch_size * t.seq_length / elapsed,
             "TFLOP/s per device": self.flops / elapsed / dist.get_world_size() / 1e12,
             "peak memory MB": peak_memory_mb(device.current_device()),
@@ -78,11 +82,13 @@ class TrainingLogger:
             parts.append(f"loss scale {loss_scale:.1f}")
         parts += [f"{name} {value:.4g}" for name, value in moe_stats.items()]
         parts += [f"ms/iter {fields['ms per iteration']:.0f}",
+                  f"data ms/iter {fields['data ms per iteration']:.2f}",
                   f"tokens/s {fields['tokens per second']:,.0f}",
                   f"TFLOP/s/device {fields['TFLOP/s per device']:.4f}",
                   f"mem {fields['peak memory MB']:,.0f} MB", f"skipped {self.skipped}"]
         log(" | ".join(parts))
-        self.losses, self.skipped, self.steps, self.start = [], 0, 0, time.time()
+        self.losses, self.skipped, self.steps = [], 0, 0
+        self.start, self.data_seconds = time.time(), 0.0
 
     def _moe_stats(self) -> dict[str, float]:
         """The last step's router losses, dropped choices and expert imbalance (MoE models;

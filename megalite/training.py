@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megalite import checkpointing, device, preflight
 from megalite.config import Configs
 from megalite.data.gpt_dataset import check_data
+from megalite.data.loader import TimedIterator
 from megalite.distributed import DistributedDataParallel
 from megalite.layout import RunLayout
 from megalite.log_writers import check_available
@@ -301,7 +302,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
               iteration, consumed)
     try:
         task.start(run)
-        _train_loop(run, train_batches)
+        _train_loop(run, TimedIterator(train_batches))
         if run.iteration >= configs.train.train_iters:
             task.finish(run)
     finally:
@@ -321,7 +322,7 @@ def _validate(run: Run) -> None:
     run.task.validate(run)
 
 
-def _train_loop(run: Run, train_batches: Iterator) -> None:
+def _train_loop(run: Run, train_batches: TimedIterator) -> None:
     """Steps from run.iteration to --train-iters (or an exit): validate every --eval-interval
     steps, save every --save-interval applied steps, at an exit and at the end."""
     configs, layout, task = run.configs, run.layout, run.task
@@ -340,7 +341,7 @@ def _train_loop(run: Run, train_batches: Iterator) -> None:
             if stepped:  # a skipped (overflowing / non-finite) step does not advance the schedule
                 run.scheduler.step()
             run.logger.step(iteration, loss, stepped, grad_norm, run.scheduler.get_lr(),
-                            run.optimizer.loss_scale)
+                            run.optimizer.loss_scale, data_seconds=train_batches.take())
             guard.update(iteration, stepped, run.optimizer.scaler)
             if t.eval_interval and (iteration % t.eval_interval == 0 or
                                     iteration == t.train_iters):

@@ -16,7 +16,8 @@ from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 
 FIELDS = {"lm loss", "learning rate", "grad norm", "loss scale", "skipped steps",
-          "ms per iteration", "tokens per second", "TFLOP/s per device", "peak memory MB",
+          "ms per iteration", "data ms per iteration", "tokens per second",
+          "TFLOP/s per device", "peak memory MB",
           "validation lm loss", "validation perplexity"}
 
 
