@@ -5,6 +5,7 @@ fp32 (megalite on the rank's device, transformers on the CPU), dropout off, odd 
 parameter's gradient (gathered over TP) within 1e-4 relative, then three AdamW steps on both
 and the losses still within 1e-5 relative.
 """
+import pytest
 import torch
 
 from megalite.device import current_device
@@ -31,12 +32,14 @@ def _compare(tp: int) -> dict:
                             VOCAB)
 
 
-def _all_tp() -> dict:
-    return {tp: _compare(tp) for tp in (1, 2, 4)}
+def _at_tp(tps: tuple[int, ...]) -> dict:
+    return {tp: _compare(tp) for tp in tps}
 
 
-def test_gpt_matches_hf_gpt2_at_tp_1_2_4():
-    for per_tp in run_on_ranks(4, _all_tp):
+@pytest.mark.parametrize("world,tps", [(1, (1,)), (4, (2, 4))], ids=["tp1", "tp2-4"])
+def test_gpt_matches_hf_gpt2(world, tps):
+    """TP 1 on one rank (so on a machine with one GPU it runs there), TP 2 and 4 on four."""
+    for per_tp in run_on_ranks(world, _at_tp, tps):
         for tp, e in per_tp.items():
             assert e["logits"] < 1e-5, (tp, e)
             assert e["loss"] < 1e-5, (tp, e)
