@@ -11,6 +11,7 @@ transformers reference), be moved at once (`torch.randint(..., generator=g).to(d
 be read at once into Python (`.tolist()`, `.item()`).
 """
 import ast
+import functools
 import importlib
 import inspect
 import pathlib
@@ -73,13 +74,9 @@ class _Module:
         return f"{self.aliases[head]}.{rest}" if rest else self.aliases[head]
 
 
-_MODULES: dict[str, _Module] = {}
-
-
+@functools.cache
 def _module(name: str) -> _Module:
-    if name not in _MODULES:
-        _MODULES[name] = _Module(name)
-    return _MODULES[name]
+    return _Module(name)
 
 
 def _tests_def(path: str | None) -> tuple[str, str] | None:
@@ -157,22 +154,35 @@ def _needs_device(module: _Module, call: ast.Call) -> str | None:
     return path if takes_device else None
 
 
-def undeviced_calls() -> list[str]:
-    """'file:line dotted.name' of every call on ranks that builds on the default device."""
-    entries, unknown = _rank_entry_points()
-    seen, todo, found = set(), list(entries), [f"{where} cannot be followed" for where in unknown]
+def rank_code() -> set[tuple[str, str]]:
+    """(module, name) of every definition of tests/ that runs on ranks."""
+    seen, todo = set(), list(_rank_entry_points()[0])
     while todo:
         key = todo.pop()
-        if key in seen:
-            continue
-        seen.add(key)
-        module = _module(key[0])
-        node = module.defs[key[1]]
-        todo.extend(_referenced(module, node) - seen)
-        for call in ast.walk(node):
-            if isinstance(call, ast.Call) and (name := _needs_device(module, call)):
-                found.append(f"tests/{module.name.removeprefix('tests.')}.py:{call.lineno} {name}")
+        if key not in seen:
+            seen.add(key)
+            todo.extend(_referenced(_module(key[0]), _module(key[0]).defs[key[1]]) - seen)
+    return seen
+
+
+def undeviced_calls() -> list[str]:
+    """'file:line dotted.name' of every call on ranks that builds on the default device, and
+    'file:line cannot be followed' of every pool call whose function the check cannot name."""
+    found = [f"{where} cannot be followed" for where in _rank_entry_points()[1]]
+    for module_name, name in rank_code():
+        module = _module(module_name)
+        for call in ast.walk(module.defs[name]):
+            if isinstance(call, ast.Call) and (what := _needs_device(module, call)):
+                found.append(f"tests/{module_name.removeprefix('tests.')}.py:{call.lineno} {what}")
     return sorted(set(found))
+
+
+def test_the_check_follows_rank_code_through_helpers_and_classes():
+    reached = rank_code()
+    assert {("tests.test_tp_layers", "_check_column"), ("tests.parallel_step", "global_batch"),
+            ("tests.dp_reference", "Reference"), ("tests.gpt_run", "train"),
+            ("tests.test_zero_bubble", "_NormedColumn")} <= reached
+    assert ("tests.test_tp_layers", "test_tp_layers_match_torch_on_8_ranks") not in reached
 
 
 def test_rank_code_names_the_device_of_its_tensors_and_layers():
