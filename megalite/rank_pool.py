@@ -23,8 +23,8 @@ import sys
 import tempfile
 import time
 import traceback
-from multiprocessing.connection import wait
 from collections.abc import Iterator
+from multiprocessing.connection import wait
 from typing import Any, Callable
 
 

@@ -26,10 +26,10 @@ class TrainingLogger:
     """Every --log-interval steps one line (and, with --tensorboard-dir / --wandb-project, one
     scalar each, written by the last rank) of: loss, lr, grad norm, loss scale, skipped
     steps, ms/iter, the part of it spent waiting for batches (data ms/iter), tokens/s, TFLOP/s
-    per device, peak memory. `validation` adds loss and
-    perplexity. `loss_key` names the logged loss; `flops` is the model FLOPs of one
-    iteration (default: a language model's, whose output layer spans the padded vocabulary).
-    MoE models add the last step's routing stats, read from this rank's `model` chunks.
+    per device, peak memory. `validation` adds loss and perplexity. `loss_key` names the
+    logged loss; `flops` is the model FLOPs of one iteration (default: a language model's,
+    whose output layer spans the padded vocabulary). MoE models add the last step's routing
+    stats, read from this rank's `model` chunks.
     """
 
     def __init__(self, configs: Configs, layout: RunLayout, model: list[nn.Module],
