@@ -113,7 +113,8 @@ class _CountedTask(Task):
     def batches(self, configs, layout, consumed):
         t, generator = configs.train, torch.Generator().manual_seed(0)
         shape = (t.micro_batch_size, t.seq_length + 1)
-        return ({"tokens": torch.randint(0, configs.model.vocab_size, shape, generator=generator)}
+        return ({"tokens": torch.randint(0, configs.model.vocab_size, shape, generator=generator,
+                                         device="cpu")}  # host batches, as a loader's
                 for _ in itertools.count()), None
 
     def start(self, run) -> None:

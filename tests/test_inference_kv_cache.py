@@ -47,8 +47,8 @@ def _worst_error(spec: str, tp: int, pp: int) -> float | None:
     for t, logits in enumerate(cached):
         for row, prompt in enumerate(prompts):
             seq = torch.tensor(prompt + forced[:t, row].tolist(), device=dev).unsqueeze(0)
-            full = pipeline_forward(model, seq, torch.arange(seq.shape[1], device=dev).unsqueeze(0),
-                                    None, None)
+            positions = torch.arange(seq.shape[1], device=dev).unsqueeze(0)
+            full = pipeline_forward(model, seq, positions, None, None)
             if full is not None:
                 real = full[0, -1].isfinite()  # not the vocabulary padding
                 errors.append(rel_err(logits[row, real], full[0, -1, real]))

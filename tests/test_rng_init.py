@@ -63,7 +63,7 @@ def _build_twice(tp: int) -> dict:
     builds, untouched = [], True
     for _ in range(2):
         torch.manual_seed(0)
-        torch.rand(5)
+        torch.rand(5, device="cpu")  # the global CPU generator, whose state is checked
         before = torch.get_rng_state()
         with contextlib.ExitStack() as stack:
             for owner, name in ((torch, "manual_seed"), (torch, "set_rng_state"),
@@ -97,7 +97,8 @@ def _other_device_states() -> dict:
     if device_type() == "cuda":
         cpu_state = torch.get_rng_state()
         return {"device_type": "cpu", "tracker": {MODEL_PARALLEL_RNG: cpu_state}}
-    cuda_state = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's: seed and offset
+    # a CUDA generator's state (seed and offset), which lives on the host as every RNG state
+    cuda_state = torch.zeros(16, dtype=torch.uint8, device="cpu")
     return {"device_type": "cuda", "cuda": cuda_state,
             "tracker": {MODEL_PARALLEL_RNG: cuda_state.clone()}}
 
