@@ -10,6 +10,9 @@ Layout of `<dir>/iter_<N:07d>/`:
                               global index)
   rank_<R>.json/.safetensors  per-rank optimizer (incl. distributed-optimizer shard), loss
                               scaler, scheduler and RNG states (checkpoint_io: JSON + tensors)
+  tokenizer/                  the tokenizer the model was trained with, when the run had one
+                              (Tokenizer.save: a sentencepiece .model or a transformers
+                              tokenizer directory); meta.json names it
 `<dir>/latest_checkpointed_iteration.txt` names the newest complete iteration.
 
 Nothing is unpickled. A save writes into `iter_<N>.tmp`, fsyncs every file and directory,
@@ -37,6 +40,7 @@ from megalite.checkpoint_io import (CheckpointFileError, fsync_dir, load_state, 
                                     read_tensors, safetensors_shapes, save_state, state_files,
                                     write_json, write_tensors)
 from megalite.config import ModelConfig
+from megalite.data.tokenizers import Tokenizer
 from megalite.device import device_type
 from megalite.models.sharding import full_state_dict, unwrap
 from megalite.models.spec import stage_of
@@ -145,13 +149,29 @@ def _publish(root: str, iteration: int, tmp: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _save_tokenizer(directory: str, tokenizer: Tokenizer | None) -> dict:
+    """Write `tokenizer` into `directory`/tokenizer; the meta.json entry naming it."""
+    if tokenizer is None:
+        return {}
+    path = tokenizer.save(os.path.join(directory, "tokenizer"))
+    return {"tokenizer": os.path.relpath(path, directory)}
+
+
+def checkpoint_tokenizer(root: str, meta: dict) -> str | None:
+    """The path of the tokenizer saved with the checkpoint `meta` describes, or None."""
+    name = meta.get("tokenizer")
+    return name and os.path.join(_published_dir(root, meta["iteration"]), name)
+
+
 def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
                     scheduler, consumed_samples: int, model_config: ModelConfig,
-                    task_state: dict | None = None, keep_latest: int | None = None) -> None:
+                    task_state: dict | None = None, keep_latest: int | None = None,
+                    tokenizer: Tokenizer | None = None) -> None:
     """Collective over the world: every rank writes its part, rank 0 publishes it.
 
-    `task_state` (JSON: the training task's own progress) is kept in meta.json as "task".
-    With `keep_latest`, rank 0 then deletes all but the newest that many iterations.
+    `task_state` (JSON: the training task's own progress) is kept in meta.json as "task";
+    `tokenizer` (rank 0's matters) is saved beside the weights. With `keep_latest`, rank 0
+    then deletes all but the newest that many iterations.
 
     Raises ValueError on every rank (publishing nothing) if any rank's weights are not finite.
     """
@@ -182,7 +202,8 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
             "format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
             "model_config": dataclasses.asdict(model_config),
             "params_dtype": _params_dtype(model), "optimizer": optimizer.settings(),
-            "layout": current_layout(), **({"task": task_state} if task_state else {})})
+            "layout": current_layout(), **({"task": task_state} if task_state else {}),
+            **_save_tokenizer(tmp, tokenizer)})
     bad = torch.tensor([0.0 if finite else 1.0], device=next(model[0].parameters()).device)
     comm.all_reduce(bad, dist.group.WORLD, op=dist.ReduceOp.MAX)
     if bad.item():
@@ -353,10 +374,11 @@ def read_full_model(root: str, iteration: int | None = None
 
 
 def write_weights_checkpoint(root: str, full: dict[str, torch.Tensor], model_config: ModelConfig,
-                             tp: int = 1, pp: int = 1, iteration: int = 0) -> None:
+                             tp: int = 1, pp: int = 1, iteration: int = 0,
+                             tokenizer: Tokenizer | None = None) -> None:
     """A weights-only checkpoint (no optimizer state, no precision) split into `pp` stage
-    files; single process. Loads under any layout and precision: the files hold full
-    tensors, sliced (and cast) by each rank on load."""
+    files, with `tokenizer` if given; single process. Loads under any layout and precision:
+    the files hold full tensors, sliced (and cast) by each rank on load."""
     if model_config.num_layers % pp:
         raise ValueError(f"--target-pp ({pp}) must divide the model's {model_config.num_layers} "
                          f"layers")
@@ -371,5 +393,6 @@ def write_weights_checkpoint(root: str, full: dict[str, torch.Tensor], model_con
     write_json(os.path.join(tmp, "meta.json"), {
         "format": FORMAT, "iteration": iteration, "consumed_samples": 0,
         "model_config": dataclasses.asdict(model_config), "params_dtype": None,
-        "optimizer": None, "layout": {"tp": tp, "pp": pp, "dp": 1, "vpp": None}})
+        "optimizer": None, "layout": {"tp": tp, "pp": pp, "dp": 1, "vpp": None},
+        **_save_tokenizer(tmp, tokenizer)})
     _publish(root, iteration, tmp)

@@ -6,14 +6,17 @@ run continues exactly. The loop hands every hook the `Run` in progress.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megalite import checkpointing
 from megalite.config import Configs
+from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.layout import RunLayout
 from megalite.train_logger import TrainingLogger, log
 
@@ -87,6 +90,12 @@ class Run:
     losses: dict[int, float] = field(default_factory=dict)
     saved_at: int | None = None
 
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        """--tokenizer, read once (on rank 0, the rank that saves it with each checkpoint)."""
+        path = self.configs.data.tokenizer
+        return build_tokenizer(path) if path and dist.get_rank() == 0 else None
+
     def save(self) -> None:
         """Checkpoint this iteration with the task's state to --save (once per iteration;
         collective over the world)."""
@@ -96,6 +105,7 @@ class Run:
         checkpointing.save_checkpoint(root, self.iteration, self.model, self.optimizer,
                                       self.scheduler, self.consumed, self.configs.model,
                                       self.task.state_dict(),
-                                      self.configs.checkpoint.keep_latest_checkpoints)
+                                      self.configs.checkpoint.keep_latest_checkpoints,
+                                      self.tokenizer)
         log(f"saved checkpoint to {root} at iteration {self.iteration}")
         self.saved_at = self.iteration

@@ -8,13 +8,16 @@
 GGUF file's architecture, a megalite checkpoint's model config); given, it must agree:
 gpt (GPT-2), llama (LlamaForCausalLM directory, or a llama GGUF file as --input, e.g.
 SmolLM2 from `megalite.hf.smollm2_gguf_path()`), bert (BertModel,
-BertForSequenceClassification or BertForMaskedLM, picked by the head the weights have;
-tokenizer files are not converted), mixtral or qwen2_moe (MixtralForCausalLM /
-Qwen2MoeForCausalLM directories; experts are stored by global index, so a checkpoint loads
-under any expert-parallel size too). A weight the model lacks or does not use, or a
---target-tp/--target-pp the model cannot be split into, is one error line.
+BertForSequenceClassification or BertForMaskedLM, picked by the head the weights have),
+mixtral or qwen2_moe (MixtralForCausalLM / Qwen2MoeForCausalLM directories; experts are
+stored by global index, so a checkpoint loads under any expert-parallel size too). A weight
+the model lacks or does not use, or a --target-tp/--target-pp the model cannot be split into,
+is one error line.
 megalite checkpoints hold full tensors per pipeline stage, so any of them loads under any
 layout; --target-tp/--target-pp record the layout and split the stage files.
+The tokenizer travels too: the input's (a transformers directory's, a GGUF file's) is saved in
+the checkpoint, and a checkpoint's is written beside exported weights (chat template
+included), so `pretrain_gpt.py --load`, tools/generate.py and AutoTokenizer find it.
 """
 import argparse
 import os
@@ -25,8 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite import checkpointing  # noqa: E402
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
+from megalite.data.tokenizers import Tokenizer, build_tokenizer  # noqa: E402
 from megalite.hf import bert, gguf, gpt2, llama, moe  # noqa: E402
 from megalite.hf.families import check_weights, family_of_config, family_of_source  # noqa: E402
+from megalite.hf.tokenizer_io import export_tokenizer, source_tokenizer  # noqa: E402
 from megalite.layout import RunLayout  # noqa: E402
 
 State = dict  # full megalite state dict: parameter name -> tensor
@@ -151,16 +156,16 @@ def check_target_layout(config: ModelConfig, tp: int, pp: int) -> None:
 
 
 def write_checkpoint(dst: str, full: State, config: ModelConfig, src: str, tp: int, pp: int,
-                     iteration: int = 0) -> None:
+                     iteration: int = 0, tokenizer: Tokenizer | None = None) -> None:
     check_target_layout(config, tp, pp)
     check_weights(full, config, src)
-    checkpointing.write_weights_checkpoint(dst, full, config, tp, pp, iteration)
+    checkpointing.write_weights_checkpoint(dst, full, config, tp, pp, iteration, tokenizer)
 
 
 def hf_to_megalite(model_type: str | None, src: str, dst: str, tp: int, pp: int) -> None:
     model_type = model_type_of(model_type, family_of_source(src), src)
     config, full = MODEL_TYPES[model_type][0](src)
-    write_checkpoint(dst, full, config, src, tp, pp)
+    write_checkpoint(dst, full, config, src, tp, pp, tokenizer=source_tokenizer(src))
 
 
 def megalite_to_hf(model_type: str | None, src: str, dst: str) -> None:
@@ -169,12 +174,14 @@ def megalite_to_hf(model_type: str | None, src: str, dst: str) -> None:
     check_weights(full, config, src)
     MODEL_TYPES[model_type_of(model_type, family_of_config(config), src)][1](dst, full, config,
                                                                               src)
+    export_tokenizer(checkpointing.checkpoint_tokenizer(src, meta), dst)
 
 
 def reshard(src: str, dst: str, tp: int, pp: int) -> None:
     meta, full = checkpointing.read_full_model(src)
+    tokenizer = checkpointing.checkpoint_tokenizer(src, meta)
     write_checkpoint(dst, full, ModelConfig(**meta["model_config"]), src, tp, pp,
-                     meta["iteration"])
+                     meta["iteration"], tokenizer and build_tokenizer(tokenizer))
 
 
 def main(argv: list[str] | None = None) -> None:

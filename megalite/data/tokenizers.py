@@ -3,11 +3,16 @@
 `build_tokenizer(path)` picks by what `path` is: a directory is a Hugging Face
 tokenizer (loaded with `AutoTokenizer.from_pretrained(dir, local_files_only=True)`), a
 `.gguf` file the tokenizer stored in it (transformers reads it), any other file a
-sentencepiece `.model`. Nothing here reaches the network.
+sentencepiece `.model`. `Tokenizer.save` writes the files that build the same tokenizer
+again (what a checkpoint carries); `tokenizer_fingerprint` hashes them, so two paths
+holding the same tokenizer in different forms (a GGUF file, its saved directory) agree.
+Nothing here reaches the network.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 from abc import ABC, abstractmethod
 
 
@@ -26,6 +31,11 @@ class Tokenizer(ABC):
     def detokenize(self, ids: list[int]) -> str:
         """Text of token ids."""
 
+    @abstractmethod
+    def save(self, directory: str) -> str:
+        """Write this tokenizer's files into `directory`; returns the path `build_tokenizer`
+        takes to load it again."""
+
 
 class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece `.model` file; `eod` is its `</s>` (eos) piece."""
@@ -34,7 +44,9 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece
 
         self.model_path = model_path
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        with open(model_path, "rb") as f:
+            self._proto = f.read()
+        self._sp = sentencepiece.SentencePieceProcessor(model_proto=self._proto)
         self.vocab_size = self._sp.get_piece_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
@@ -47,6 +59,13 @@ class SentencePieceTokenizer(Tokenizer):
 
     def detokenize(self, ids: list[int]) -> str:
         return self._sp.decode(list(map(int, ids)))
+
+    def save(self, directory: str) -> str:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, "tokenizer.model")
+        with open(path, "wb") as f:
+            f.write(self._proto)
+        return path
 
 
 class HFTokenizer(Tokenizer):
@@ -77,6 +96,11 @@ class HFTokenizer(Tokenizer):
     def detokenize(self, ids: list[int]) -> str:
         return self._tok.decode(list(map(int, ids)))
 
+    def save(self, directory: str) -> str:
+        """save_pretrained: tokenizer.json, tokenizer_config.json and the chat template."""
+        self._tok.save_pretrained(directory)
+        return directory
+
 
 def build_tokenizer(path: str) -> Tokenizer:
     """A sentencepiece tokenizer for a `.model` file, an HF tokenizer for a directory or a
@@ -87,3 +111,16 @@ def build_tokenizer(path: str) -> Tokenizer:
         return SentencePieceTokenizer(path)
     raise FileNotFoundError(f"--tokenizer {path}: no such file or directory (expected a "
                             f"sentencepiece .model file, a Hugging Face tokenizer directory or a .gguf file)")
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """SHA-256 (hex) of the files `tokenizer.save` writes: the same for every path that
+    holds this tokenizer."""
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory() as directory:
+        tokenizer.save(directory)
+        for name in sorted(os.listdir(directory)):
+            digest.update(name.encode() + b"\0")
+            with open(os.path.join(directory, name), "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()

