@@ -3,6 +3,9 @@
 Multi-rank: `torchrun --nproc_per_node 8 pretrain_gpt.py --tp 2 --pp 2 --dp 2`; long
 sequences: `--sequence-parallel` (TP > 1) and `--cp N` (context parallelism).
 Own data: `--data-path PREFIX --tokenizer TOKENIZER` (see tools/preprocess_data.py).
+Continue a checkpoint (e.g. converted from transformers or GGUF): `--load DIR` alone; the model
+and its tokenizer come from the checkpoint, the built-in corpus is tokenised with that
+tokenizer, and checkpoints are written only with `--save DIR`.
 """
 import functools
 import itertools
@@ -14,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import checkpointing, device
+from megalite.checkpoint_args import model_from_checkpoint
 from megalite.config import Configs, parse_configs
 from megalite.data.builtin_corpus import builtin_corpus
 from megalite.data.gpt_dataset import build_gpt_datasets, parse_data_path
@@ -24,7 +28,7 @@ from megalite.models import GPTModel
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.context_parallel import chunk_positions, get_batch_on_this_cp_rank
 from megalite.resilience import NonFiniteError
-from megalite.training import pretrain
+from megalite.training import TrainResult, pretrain
 
 # A small GPT that trains visibly on 2 CPU cores in a few minutes.
 DEFAULTS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128,
@@ -33,8 +37,9 @@ DEFAULTS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length
                 hidden_dropout=0.0, attention_dropout=0.0, save="checkpoints/gpt_default")
 
 
-def take_tokenizer_vocab(configs: Configs) -> None:
-    """--vocab-size from --tokenizer; ValueError if an explicit --vocab-size disagrees."""
+def take_tokenizer_vocab(configs: Configs, from_checkpoint: bool) -> None:
+    """--vocab-size from --tokenizer; ValueError if an explicit --vocab-size disagrees or, when
+    the model comes from a checkpoint, if the tokenizer has more tokens than the model."""
     try:
         size = build_tokenizer(configs.data.tokenizer).vocab_size
     except (OSError, ValueError):
@@ -43,29 +48,48 @@ def take_tokenizer_vocab(configs: Configs) -> None:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ValueError(f"--tokenizer {configs.data.tokenizer}: cannot be read as a tokenizer "
                          f"({reason})") from None
+    if from_checkpoint:
+        if size > configs.model.vocab_size:
+            raise ValueError(f"--tokenizer {configs.data.tokenizer} has {size} tokens, more than "
+                             f"the vocabulary of the --load checkpoint's model "
+                             f"({configs.model.vocab_size}); expected its own tokenizer")
+        return
     if "vocab_size" in configs.explicit and configs.model.vocab_size != size:
         raise ValueError(f"--vocab-size {configs.model.vocab_size} disagrees with --tokenizer "
                          f"{configs.data.tokenizer} ({size} tokens); drop --vocab-size")
     configs.model.vocab_size = size
 
 
+def _loaded_meta(configs: Configs) -> dict | None:
+    """The metadata of the checkpoint --load resumes from (None: no --load or none there yet)."""
+    return configs.checkpoint.load and checkpointing.read_meta(configs.checkpoint.load)
+
+
 def check_inputs(configs: Configs) -> None:
-    """Before any process group: the vocabulary size from --tokenizer or, when resuming
-    without either flag, from the checkpoint."""
+    """Before any process group: with a --load checkpoint the model from its metadata (a
+    model flag given must agree) and its tokenizer unless --tokenizer is given; the
+    vocabulary size from the tokenizer otherwise."""
+    meta = _loaded_meta(configs)
+    if meta:
+        configs.model = model_from_checkpoint(meta["model_config"], configs.model,
+                                              configs.explicit, configs.checkpoint.load)
+        configs.data.tokenizer = configs.data.tokenizer or \
+            checkpointing.checkpoint_tokenizer(configs.checkpoint.load, meta)
     if configs.data.tokenizer:
-        take_tokenizer_vocab(configs)
-    elif "vocab_size" not in configs.explicit and configs.checkpoint.load and \
-            (meta := checkpointing.read_meta(configs.checkpoint.load)):
-        configs.model.vocab_size = meta["model_config"]["vocab_size"]
+        take_tokenizer_vocab(configs, from_checkpoint=bool(meta))
 
 
 def prepare(configs: Configs) -> None:
-    """Build the built-in corpus on first use (rank 0) and take the tokenizer's vocabulary."""
+    """Without --data-path: the built-in corpus (built on first use by rank 0), tokenised with
+    the run's tokenizer when it has one, else with the corpus's own (its vocabulary)."""
     if not configs.data.data_path:
-        corpus = builtin_corpus(is_builder_rank=dist.get_rank() == 0, barrier=dist.barrier)
+        tokenizer = configs.data.tokenizer
+        corpus = builtin_corpus(is_builder_rank=dist.get_rank() == 0, barrier=dist.barrier,
+                                tokenizer=tokenizer)
         configs.data.data_path = [corpus.data_prefix]
-        configs.data.tokenizer = corpus.tokenizer_path
-        take_tokenizer_vocab(configs)
+        if not tokenizer:
+            configs.data.tokenizer = corpus.tokenizer_path
+            take_tokenizer_vocab(configs, from_checkpoint=bool(_loaded_meta(configs)))
 
 
 def model_provider(configs: Configs, pre_process: bool, post_process: bool) -> torch.nn.Module:
@@ -127,13 +151,28 @@ def datasets_provider(configs: Configs, num_samples: tuple[int, int, int], consu
     return iterator(train, consumed), iterator(valid, 0)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> Configs:
+    """The run's configs. With neither --save nor --load the run saves to and resumes from
+    checkpoints/gpt_default; --load alone writes no checkpoint (as in Megatron-LM: only
+    --save does), so the loaded one is never overwritten."""
     configs = parse_configs(argv, __doc__, DEFAULTS)
     if not {"save", "load"} & configs.explicit:  # the default run resumes its own checkpoint
         configs.checkpoint.load = configs.checkpoint.save
+    elif "save" not in configs.explicit:
+        configs.checkpoint.save = None
+    return configs
+
+
+def run(argv: list[str] | None = None) -> TrainResult:
+    """Train as the command line says, in this (possibly already distributed) process."""
+    configs = parse_args(argv)
+    return pretrain(configs, functools.partial(model_provider, configs), forward_step,
+                    datasets_provider, prepare=prepare, check_inputs=check_inputs)
+
+
+def main(argv: list[str] | None = None) -> None:
     try:
-        pretrain(configs, functools.partial(model_provider, configs), forward_step,
-                 datasets_provider, prepare=prepare, check_inputs=check_inputs)
+        run(argv)
     except NonFiniteError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint_args import differences_error, model_differences
 from megalite.checkpoint_io import (CheckpointFileError, fsync_dir, load_state, read_json,
                                     read_tensors, safetensors_shapes, save_state, state_files,
                                     write_json, write_tensors)
@@ -51,11 +52,6 @@ from megalite.mpu.random import get_rng_tracker
 
 MARKER = "latest_checkpointed_iteration.txt"
 FORMAT = 2
-# ModelConfig fields that may change between save and load: they change neither the
-# parameters nor what they mean. Every other field (those added later too) must match.
-RESUMABLE_MODEL_FIELDS = frozenset({
-    "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
-    "recompute_granularity", "recompute_method", "recompute_num_layers"})
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -271,23 +267,21 @@ def read_meta(root: str, iteration: int | None = None) -> dict | None:
 
 def check_compatible(meta: dict, model_config: ModelConfig, root: str,
                      params_dtype: torch.dtype | None = None) -> None:
-    """One clear error naming the first model field (or the precision) that differs.
+    """One clear error naming every model field (and the precision) that differs.
 
-    Every ModelConfig field must match except RESUMABLE_MODEL_FIELDS. A weights-only
-    checkpoint (tools/convert_checkpoint.py) has no precision and loads under any.
+    Every ModelConfig field must match except RESUMABLE_MODEL_FIELDS (floats at float32
+    precision, see megalite.checkpoint_args). A weights-only checkpoint
+    (tools/convert_checkpoint.py) has no precision and loads under any.
     """
-    for name, ours in dataclasses.asdict(model_config).items():
-        theirs = meta["model_config"].get(name)
-        if name not in RESUMABLE_MODEL_FIELDS and theirs != ours:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"--load {root}: checkpoint has {name}={theirs}, this run has "
-                             f"{flag} {ours}")
+    differences = model_differences(meta["model_config"], model_config)
     theirs = meta.get("params_dtype")
     ours = str(params_dtype).removeprefix("torch.") if params_dtype is not None else None
     if theirs and ours and theirs != ours:
-        raise ValueError(f"--load {root}: checkpoint was trained with {theirs} parameters, this "
-                         f"run uses {ours} (use the same --bf16/--fp16, or make a weights-only "
-                         f"copy with tools/convert_checkpoint.py --direction reshard)")
+        differences.append(f"checkpoint was trained with {theirs} parameters, this run uses "
+                           f"{ours} (use the same --bf16/--fp16, or make a weights-only copy "
+                           f"with tools/convert_checkpoint.py --direction reshard)")
+    if differences:
+        raise differences_error(root, differences)
 
 
 def restores_optimizer(meta: dict, optimizer_settings: dict, layout: dict) -> bool:

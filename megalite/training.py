@@ -191,7 +191,7 @@ def check_before_start(configs: Configs, layout: RunLayout) -> None:
                                         optimizer_settings(configs.optimizer))
         start = meta["iteration"]
     saved = checkpointing.latest_iteration(ckpt.save) if ckpt.save else None
-    same = ckpt.load and os.path.realpath(ckpt.load) == os.path.realpath(ckpt.save)
+    same = ckpt.load and ckpt.save and os.path.realpath(ckpt.load) == os.path.realpath(ckpt.save)
     if saved is not None and saved > start and not same:
         raise ValueError(f"--save {ckpt.save} already holds iteration {saved}, newer than this "
                          f"run's start ({start}): pass --load {ckpt.save} to resume it, or "
@@ -286,6 +286,8 @@ def train(configs: Configs, task: Task) -> TrainResult:
     except (ValueError, OSError) as error:  # the same files on every rank: the same line
         _fail(error)
     log(checkpointing.describe_start(ckpt.load, iteration, configs.train.train_iters))
+    if not ckpt.save:
+        log("no --save: this run writes no checkpoint")
     if device.device_type() == "cpu" and configs.precision.params_dtype != torch.float32:
         warning = device.reduced_precision_warning(configs.precision.params_dtype)
         if warning:

@@ -20,6 +20,17 @@ def make_dataset(directory: str, documents: int = 200, seed: int = 0) -> str:
     return prefix
 
 
+def make_sp_model(directory: str) -> str:
+    """A 300-piece sentencepiece model (its ids cover the tiny dataset's 0..96); its path."""
+    from megalite.data.tokenizer_training import train_sentencepiece
+    text = os.path.join(directory, "corpus.txt")
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghij"), 5)) for _ in range(300)]
+    with open(text, "w") as f:
+        f.write("\n".join(" ".join(rng.choice(words, 12)) for _ in range(400)))
+    return train_sentencepiece([text], os.path.join(directory, "sp"), 300)
+
+
 def tiny_args(prefix: str, save: str, iters: int, *extra: str) -> list[str]:
     """Flags of a 4-layer, hidden-32 GPT on `prefix`, dropout on (RNG state matters),
     bitwise-repeatable on CUDA too (--deterministic-mode)."""
@@ -34,13 +45,5 @@ def tiny_args(prefix: str, save: str, iters: int, *extra: str) -> list[str]:
 
 def train(argv: list[str]) -> dict[int, float]:
     """Run pretrain_gpt in this (already distributed) process; the loss of each iteration."""
-    import functools
-
     import pretrain_gpt
-    from megalite.config import parse_configs
-    from megalite.training import pretrain
-    configs = parse_configs(argv, defaults=pretrain_gpt.DEFAULTS)
-    result = pretrain(configs, functools.partial(pretrain_gpt.model_provider, configs),
-                      pretrain_gpt.forward_step, pretrain_gpt.datasets_provider,
-                      prepare=pretrain_gpt.prepare, check_inputs=pretrain_gpt.check_inputs)
-    return result.losses
+    return pretrain_gpt.run(argv).losses

@@ -11,12 +11,11 @@ import torch
 import pretrain_gpt
 from megalite.config import parse_configs
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
-from megalite.data.tokenizer_training import train_sentencepiece
 from megalite.optimizer.optimizer import (apex_fused_adam, load_portable_state_dict,
                                           portable_state_dict)
 from megalite.layout import RunLayout
 from megalite.training import check_before_start
-from tests.gpt_run import VOCAB, make_dataset, tiny_args, train
+from tests.gpt_run import VOCAB, make_dataset, make_sp_model, tiny_args, train
 from tests.multirank import run_on_ranks
 
 
@@ -27,13 +26,7 @@ def data(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory) -> str:
-    """A 300-piece sentencepiece model (its ids cover the tiny dataset's 0..96)."""
-    directory = tmp_path_factory.mktemp("sp")
-    text = directory / "corpus.txt"
-    rng = np.random.default_rng(0)
-    words = ["".join(rng.choice(list("abcdefghij"), 5)) for _ in range(300)]
-    text.write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(400)))
-    return train_sentencepiece([str(text)], str(directory / "sp"), 300)
+    return make_sp_model(str(tmp_path_factory.mktemp("sp")))
 
 
 def _one_line(error) -> str:
