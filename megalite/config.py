@@ -245,7 +245,8 @@ class DataConfig:
     data_path: list[str] = arg(list, "prefix, or w1 prefix1 w2 prefix2 ... "
                                "(default: the built-in corpus)", nargs="*")
     split: str = arg("969,30,1", "train,valid,test document ratios")
-    tokenizer: str | None = arg(None, "sentencepiece .model or Hugging Face tokenizer directory")
+    tokenizer: str | None = arg(None, "sentencepiece .model, Hugging Face tokenizer directory "
+                                "or .gguf (default with --load: the checkpoint's)")
     data_cache_dir: str | None = arg(None, "where sample indices are cached (default: beside data)")
     num_workers: int | None = arg(None, "processes that build the batches (0: the training "
                                         "process; default 1 on CUDA, 0 on the CPU)")
