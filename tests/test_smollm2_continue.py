@@ -113,4 +113,4 @@ def test_generate_takes_the_tokenizer_from_the_checkpoint(converted, tmp_path):
          "--max-new-tokens", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "MEGALITE_CACHE": str(tmp_path)})  # no built-in tokenizer to fall to
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("The capital of France is Paris."), result.stdout
+    assert "\nThe capital of France is Paris." in result.stdout, result.stdout

@@ -10,10 +10,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def source_tokenizer(src: str) -> Tokenizer | None:
-    """The tokenizer of a transformers directory or a GGUF file (None: the directory has
-    none)."""
-    if src.endswith(".gguf") or any(os.path.isfile(os.path.join(src, name))
-                                    for name in _TOKENIZER_FILES):
+    """The tokenizer of a transformers directory or a GGUF file (None, with one printed line
+    for a GGUF, when it holds none)."""
+    if src.endswith(".gguf"):
+        try:
+            return build_tokenizer(src)
+        except ValueError as error:  # transformers: the GGUF names no tokenizer it can build
+            print(f"note: {src}: no tokenizer read ({error}); the checkpoint holds none")
+            return None
+    if any(os.path.isfile(os.path.join(src, name)) for name in _TOKENIZER_FILES):
         return build_tokenizer(src)
     return None
 
