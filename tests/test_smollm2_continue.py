@@ -33,9 +33,7 @@ RUN_SIZE = ["--seq-length", "32", "--micro-batch-size", "2", "--exit-interval", 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> tuple[str, str]:
-    """(SmolLM2 converted to a megalite checkpoint, a cache whose built-in corpus is small and
-    already tokenised with SmolLM2's tokenizer: rank-pool workers cannot start the tokenising
-    processes, which a real run does itself)."""
+    """(SmolLM2 converted to a megalite checkpoint, a cache holding a small built-in corpus)."""
     directory = tmp_path_factory.mktemp("smol")
     ck, cache = str(directory / "ck"), str(directory / "cache")
     convert_checkpoint.main(["--direction", "hf-to-megalite", "--model-type", "llama",
@@ -43,8 +41,7 @@ def converted(tmp_path_factory) -> tuple[str, str]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bc, "builtin_documents", lambda workers: small_documents())
         patch.setattr(bc, "VOCAB_SIZE", 300)
-        bc.builtin_corpus(os.path.join(cache, "builtin"), tokenizer=checkpointing.
-                          checkpoint_tokenizer(ck, checkpointing.read_meta(ck)))
+        bc.builtin_corpus(os.path.join(cache, "builtin"))
     return ck, cache
 
 
