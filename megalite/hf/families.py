@@ -18,19 +18,22 @@ FAMILIES = {"gpt2": "gpt", "llama": "llama", "mixtral": "mixtral", "qwen2_moe": 
 _BERT_OPTIONAL = ("classifier.", "lm_head.", "pooler.")  # heads a BERT checkpoint may lack
 
 
-def family_of_source(path: str) -> str:
+def family_of_source(path: str, flag: str = "--input",
+                     families: tuple[str, ...] = tuple(FAMILIES.values())) -> str:
     """The family of a transformers directory (its config.json's model_type) or of a .gguf
-    file (llama: the reader refuses other architectures); ValueError naming the input."""
+    file (llama: the reader refuses other architectures); ValueError naming `flag` and the
+    input unless it is one of `families`."""
     if path.endswith(".gguf"):
         return "llama"
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        raise ValueError(f"--input {path}: no config.json (expected a transformers model "
+        raise ValueError(f"{flag} {path}: no config.json (expected a transformers model "
                          f"directory or a .gguf file)")
     model_type = json.load(open(config_file)).get("model_type")
-    if model_type not in FAMILIES:
-        raise ValueError(f"--input {path}: model_type {model_type!r} is none of "
-                         f"{', '.join(FAMILIES)}")
+    if FAMILIES.get(model_type) not in families:
+        names = [name for name, family in FAMILIES.items() if family in families]
+        raise ValueError(f"{flag} {path}: model_type {model_type!r} is none of "
+                         f"{', '.join(names)}")
     return FAMILIES[model_type]
 
 

@@ -2,7 +2,6 @@
 transformers directory, built and sliced for the launch layout, with its tokenizer."""
 import dataclasses
 import functools
-import json
 import os
 import sys
 import time
@@ -35,17 +34,10 @@ def read_hf(directory: str) -> tuple[ModelConfig, State]:
     from transformers import AutoModelForCausalLM
 
     from megalite.hf import gpt2_config, gpt2_to_megalite, llama_config, llama_to_megalite
-    families = {"gpt2": (gpt2_config, gpt2_to_megalite), "llama": (llama_config,
-                                                                    llama_to_megalite)}
-    config_file = os.path.join(directory, "config.json")
-    if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"--hf {directory}: no config.json (expected a transformers "
-                                f"model directory)")
-    model_type = json.load(open(config_file)).get("model_type")
-    if model_type not in families:
-        raise ValueError(f"--hf {directory}: model_type {model_type!r}, expected one of "
-                         f"{', '.join(families)}")
-    to_config, to_megalite = families[model_type]
+    from megalite.hf.families import family_of_source
+    families = {"gpt": (gpt2_config, gpt2_to_megalite), "llama": (llama_config,
+                                                                   llama_to_megalite)}
+    to_config, to_megalite = families[family_of_source(directory, "--hf", tuple(families))]
     hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
                                               dtype=torch.float32)
     config = to_config(hf.config)
