@@ -20,8 +20,9 @@ SIGTERM (save and exit 0), MEGALITE_FAULT and the pre-start checks. `--load DIR`
 run saved to DIR exactly (the same losses as an uninterrupted run): the checkpoint carries
 the accuracies so far and the best epoch, and the best epoch's weights are read back from
 its checkpoint in DIR, so "best" ranges over every epoch of the run, before and after the
-resume, and the resumed run exports what the uninterrupted run would. Without --save or
---load the run saves to and resumes from checkpoints/bert_default.
+resume, and the resumed run exports what the uninterrupted run would (resume with --load DIR
+--save DIR to keep saving there). Without --save or --load the run saves to and resumes from
+checkpoints/bert_default; --load alone writes no checkpoint, as in pretrain_gpt.py.
 """
 import dataclasses
 import functools
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite import checkpointing, device
-from megalite.config import Configs, parse_configs
+from megalite.config import Configs, default_checkpoint_dirs, parse_configs
 from megalite.data.finetune import encode_pairs, load_tokenizer
 from megalite.data.finetune_sources import pad_to_multiple, read_examples
 from megalite.data.samplers import EpochSampler, PretrainingSampler, row_batches
@@ -291,8 +292,7 @@ def parse(argv: list[str] | None = None) -> Configs:
 
 def main(argv: list[str] | None = None) -> FinetuneResult:
     configs = parse(argv)
-    if not {"save", "load"} & configs.explicit:  # the default run resumes its own checkpoint
-        configs.checkpoint.load = configs.checkpoint.save
+    default_checkpoint_dirs(configs)
     try:
         result = finetune(configs)
     except NonFiniteError as error:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megalite import checkpointing, device
 from megalite.checkpoint_args import model_from_checkpoint
-from megalite.config import Configs, parse_configs
+from megalite.config import Configs, default_checkpoint_dirs, parse_configs
 from megalite.data.builtin_corpus import builtin_corpus
 from megalite.data.gpt_dataset import build_gpt_datasets, parse_data_path
 from megalite.data.loader import default_num_workers, token_batches
@@ -156,10 +156,7 @@ def parse_args(argv: list[str] | None = None) -> Configs:
     checkpoints/gpt_default; --load alone writes no checkpoint (as in Megatron-LM: only
     --save does), so the loaded one is never overwritten."""
     configs = parse_configs(argv, __doc__, DEFAULTS)
-    if not {"save", "load"} & configs.explicit:  # the default run resumes its own checkpoint
-        configs.checkpoint.load = configs.checkpoint.save
-    elif "save" not in configs.explicit:
-        configs.checkpoint.save = None
+    default_checkpoint_dirs(configs)
     return configs
 
 

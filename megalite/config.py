@@ -443,3 +443,13 @@ def parse_configs(argv: list[str] | None = None, description: str = "",
                        explicit=explicit)
     except ValueError as error:
         parser.exit(2, f"error: {error}\n")
+
+
+def default_checkpoint_dirs(configs: Configs) -> None:
+    """An entry script's --save/--load defaults: a run given neither resumes its own default
+    --save directory; --load alone writes no checkpoint (Megatron's behaviour)."""
+    ckpt = configs.checkpoint
+    if not {"save", "load"} & configs.explicit:
+        ckpt.load = ckpt.save
+    elif "save" not in configs.explicit:
+        ckpt.save = None

@@ -48,12 +48,15 @@ class RunLayout:
         return self.seq_length // self.grid.cp // (self.grid.tp if self.sequence_parallel else 1)
 
     def describe(self) -> str:
-        """'world 8 = TP 2 x PP 2 x DP 2' (CP, EP and VPP named when used)."""
+        """'world 8 = TP 2 x PP 2 x DP 2' (CP, EP and VPP named when used, and the tokens per
+        rank when the sequence is split)."""
         g = self.grid
         cp = f"CP {g.cp} x " if g.cp > 1 else ""
         vpp = f" (VPP {g.vpp})" if g.vpp else ""
         ep = f" (EP {g.ep})" if g.ep > 1 else ""
-        return f"world {g.world_size} = TP {g.tp} x {cp}PP {g.pp}{vpp} x DP {g.dp}{ep}"
+        split = self.seq_length_per_rank
+        tokens = f" | seq {self.seq_length}, {split} per rank" if split < self.seq_length else ""
+        return f"world {g.world_size} = TP {g.tp} x {cp}PP {g.pp}{vpp} x DP {g.dp}{ep}{tokens}"
 
     @classmethod
     def from_configs(cls, configs: Configs, world_size: int) -> "RunLayout":
@@ -61,11 +64,7 @@ class RunLayout:
         flag) for the first rule it breaks."""
         p, m, t = configs.parallel, configs.model, configs.train
         pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
-        asked = schedule_kind(p.pipeline_schedule)
-        if pp > 1:  # (one stage: any schedule is plain accumulation; the grid checks --vpp)
-            if vpp is None and asked.min_chunks == asked.max_chunks > 1:
-                vpp = asked.min_chunks  # a fixed number of chunks per rank (zbv: 2) by default
-            asked.check_chunks(pp, vpp)
+        vpp = schedule_kind(p.pipeline_schedule).chunks_for(pp, vpp)
         schedule = resolve_schedule(p.pipeline_schedule, pp, vpp)
         grid = GridLayout.from_world(world_size, p.tensor_model_parallel_size, pp,
                                      p.context_parallel_size, p.expert_model_parallel_size, vpp,

@@ -30,7 +30,7 @@ from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import get_optimizer, optimizer_settings
 from megalite.resilience import ExitSignalHandler, SkipGuard, inject_faults, parse_faults
-from megalite.schedules import get_forward_backward_func
+from megalite.schedules.executor import forward_backward
 from megalite.schedules.accounting import pipeline_summary
 from megalite.task import Run, Task
 from megalite.train_logger import TrainingLogger, log
@@ -52,7 +52,7 @@ def log_pipeline(configs: Configs, layout: RunLayout) -> None:
         return
     log(pipeline_summary(layout.schedule.name, pp, m, layout.chunks_per_rank))
     if m < pp:
-        need = configs.train.micro_batch_size * layout.data_parallel_size * pp
+        need = layout.micro_batch_size * layout.data_parallel_size * pp
         log(f"WARNING: {m} microbatch(es) per step through {pp} pipeline stages: ranks idle "
             f"most of the step; raise --global-batch-size to at least {need} (micro batch x DP "
             f"x PP), better 4x that")
@@ -86,19 +86,20 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
 
 
 def run_schedule(forward_step_func: Callable, data_iterator: Iterator, model: list,
-                 configs: Configs, layout: RunLayout, forward_only: bool,
-                 loss_scale: float = 1.0, loss_keys: Sequence[str] | None = None) -> list[dict]:
-    """All microbatches of one step through the grid's pipeline schedule; per-microbatch
+                 layout: RunLayout, forward_only: bool, loss_scale: float = 1.0,
+                 loss_keys: Sequence[str] | None = None) -> list[dict]:
+    """All microbatches of one step through the layout's pipeline schedule; per-microbatch
     losses on the device (only `loss_keys` when given; see executor.forward_backward)."""
-    return get_forward_backward_func(layout.schedule.name)(
-        forward_step_func=forward_step_func, data_iterator=data_iterator,
-        model=model if len(model) > 1 else model[0], num_microbatches=layout.num_microbatches,
-        seq_length=configs.train.seq_length, micro_batch_size=configs.train.micro_batch_size,
-        forward_only=forward_only, loss_scale=loss_scale, loss_keys=loss_keys)
+    return forward_backward(
+        schedule=layout.schedule, forward_step_func=forward_step_func,
+        data_iterator=data_iterator, model=model if len(model) > 1 else model[0],
+        num_microbatches=layout.num_microbatches, seq_length=layout.seq_length,
+        micro_batch_size=layout.micro_batch_size, forward_only=forward_only,
+        loss_scale=loss_scale, loss_keys=loss_keys)
 
 
 def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list, optimizer,
-               configs: Configs, layout: RunLayout, loss_key: str = "lm loss",
+               layout: RunLayout, loss_key: str = "lm loss",
                signals: ExitSignalHandler | None = None) -> tuple[float, bool, float | None]:
     """One optimizer step over all microbatches: (mean `loss_key` value on every rank, stepped,
     grad norm). The loss is the same on every rank (shared over PP, averaged over DP), so a
@@ -111,7 +112,7 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = run_schedule(forward_step_func, data_iterator, model, configs, layout,
+    losses = run_schedule(forward_step_func, data_iterator, model, layout,
                           forward_only=False, loss_scale=optimizer.loss_scale,
                           loss_keys=(loss_key,))
     finalize_model_grads(model)
@@ -158,7 +159,7 @@ def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list,
         chunk.eval()
     keys, totals = [], None
     for _ in range(configs.train.eval_iters if iters is None else iters):
-        losses = run_schedule(forward_step_func, data_iterator, model, configs, layout,
+        losses = run_schedule(forward_step_func, data_iterator, model, layout,
                               forward_only=True)
         keys, sums = _sum_over_data_parallel(losses)
         totals = sums.double() if totals is None else totals + sums.double()
@@ -180,7 +181,6 @@ def check_before_start(configs: Configs, layout: RunLayout) -> None:
     if configs.data.data_path:  # missing, truncated, empty or out-of-vocabulary data
         check_data(configs.data.data_path, configs.data.split, m.vocab_size,
                    needs_train=t.train_iters > 0)
-    preflight.check_start(configs)  # output directories writable, --split trains
     check_available(t.tensorboard_dir, t.wandb_project)
     parse_faults(os.environ.get("MEGALITE_FAULT", ""))
     start = 0
@@ -265,6 +265,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
     """
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     try:
+        preflight.check_start(configs)  # before any work: outputs writable, --split trains
         task.check_inputs(configs, world)
         layout = RunLayout.from_configs(configs, world)
         check_before_start(configs, layout)
@@ -297,7 +298,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
     log(f"model: {configs.model.num_layers} layers, hidden {configs.model.hidden_size}, "
         f"{n_params:,} parameters on rank 0 | {layout.describe()} | global batch "
         f"{layout.global_batch_size} = {layout.num_microbatches} microbatches x "
-        f"{configs.train.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
+        f"{layout.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
     log_pipeline(configs, layout)
     logger = TrainingLogger(configs, layout, model, task.loss_key, task.flops(configs, layout))
     run = Run(configs, layout, task, model, optimizer, scheduler, logger, valid_batches,
@@ -335,7 +336,7 @@ def _train_loop(run: Run, train_batches: TimedIterator) -> None:
         while run.iteration < t.train_iters:
             loss, stepped, grad_norm = train_step(
                 inject_faults(task.forward_step, run.iteration + 1), train_batches, run.model,
-                run.optimizer, configs, layout, task.loss_key, signals)
+                run.optimizer, layout, task.loss_key, signals)
             run.iteration += 1
             iteration = run.iteration
             run.losses[iteration] = loss

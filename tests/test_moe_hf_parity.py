@@ -73,7 +73,7 @@ def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
     # step 1 by hand, to compare the grads before the update
     for chunk in model:
         chunk.zero_grad_buffer()
-    losses = run_schedule(_forward_step, batches(), model, configs, layout, forward_only=False)
+    losses = run_schedule(_forward_step, batches(), model, layout, forward_only=False)
     finalize_model_grads(model)
     ref_loss = hf_token_loss(hf, tokens)
     ref_loss.backward()
@@ -96,7 +96,7 @@ def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
         ref_loss = hf_token_loss(hf, tokens)
         ref_loss.backward()
         ref_opt.step()
-        loss, _, _ = train_step(_forward_step, batches(), model, optimizer, configs, layout)
+        loss, _, _ = train_step(_forward_step, batches(), model, optimizer, layout)
         errors["steps"].append(abs(loss - ref_loss.item()) / abs(ref_loss.item()))
     return errors
 

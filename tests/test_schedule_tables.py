@@ -10,6 +10,8 @@ from functools import cache
 
 import pytest
 
+from megalite.config import parse_configs
+from megalite.layout import RunLayout
 from megalite.placement import PIPELINE_SCHEDULES
 from megalite.schedules import SCHEDULE_KINDS, resolve_schedule
 from megalite.schedules.accounting import (
@@ -207,6 +209,14 @@ def test_resolve_schedule_rejects_unknown_names():
 PER_STEP = "microbatches per step ({} = --global-batch-size / (--micro-batch-size x DP))"
 
 
+def run_layout(requested: str, pp: int, vpp: int | None, m: int) -> RunLayout:
+    """The run layout of --pipeline-schedule `requested` on pp ranks (DP 1), m microbatches."""
+    flags = ["--pp", str(pp), "--pipeline-schedule", requested, "--num-layers", "8",
+             "--micro-batch-size", "1", "--global-batch-size", str(m)]
+    return RunLayout.from_configs(parse_configs(flags + (["--vpp", str(vpp)] if vpp else [])),
+                                  pp)
+
+
 @pytest.mark.parametrize("requested, pp, vpp, m, message", [
     ("zb-h1", 2, 2, 4, "--pipeline-schedule zb-h1 runs one model chunk per rank: drop --vpp (2) "
                        "or choose interleaved or zbv"),
@@ -220,7 +230,7 @@ PER_STEP = "microbatches per step ({} = --global-batch-size / (--micro-batch-siz
 ])
 def test_layout_check_raises_one_line_naming_the_flag(requested, pp, vpp, m, message):
     with pytest.raises(ValueError) as err:
-        SCHEDULE_KINDS[requested].check_layout(pp, vpp, m)
+        run_layout(requested, pp, vpp, m)
     assert str(err.value) == message
 
 
@@ -229,5 +239,5 @@ def test_layout_check_raises_one_line_naming_the_flag(requested, pp, vpp, m, mes
     ("zb-h1", 4, None, 4), ("zbv", 4, 2, 1),
 ])
 def test_layout_check_accepts_what_the_tables_build(requested, pp, vpp, m):
-    SCHEDULE_KINDS[requested].check_layout(pp, vpp, m)
-    resolve_schedule(requested, pp, vpp).builder(pp, m, vpp or 1)
+    layout = run_layout(requested, pp, vpp, m)
+    layout.schedule.builder(pp, m, layout.chunks_per_rank)

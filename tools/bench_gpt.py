@@ -155,9 +155,9 @@ class MegaliteRunner:
         opt = OptimizerConfig(lr=LR, min_lr=LR, lr_decay_style="constant",
                               weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.95,
                               clip_grad=CLIP)
-        self.configs = Configs(config, ParallelConfig(), prec, opt,
-                               TrainConfig(micro_batch_size=micro, seq_length=seq,
-                                           train_iters=10 ** 6), DataConfig(), CheckpointConfig())
+        configs = Configs(config, ParallelConfig(), prec, opt,
+                          TrainConfig(micro_batch_size=micro, seq_length=seq, train_iters=10 ** 6),
+                          DataConfig(), CheckpointConfig())
         model = GPTModel(config, params_dtype=prec.params_dtype, device=device)
         FAMILIES[family][1](model, hf_state)
         if compile_layers:
@@ -166,11 +166,11 @@ class MegaliteRunner:
         self.model = [DistributedDataParallel(model, bucket_size=opt.ddp_bucket_size,
                                               overlap_grad_reduce=opt.overlap_grad_reduce)]
         self.optimizer, self.scheduler = get_optimizer(opt, prec, self.model, 10 ** 6)
-        self.layout = RunLayout.from_configs(self.configs, 1)
+        self.layout = RunLayout.from_configs(configs, 1)
 
     def step(self, tokens: torch.Tensor) -> float:
         loss, stepped, _ = train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]),
-                                      self.model, self.optimizer, self.configs, self.layout)
+                                      self.model, self.optimizer, self.layout)
         if stepped:
             self.scheduler.step()
         return loss

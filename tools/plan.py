@@ -202,7 +202,7 @@ def measure_rank(argv: list[str]) -> dict:
                                                  (t.micro_batch_size, t.seq_length + 1),
                                                  generator=generator)}, None)
     step = functools.partial(training.train_step, pretrain_gpt.forward_step, data, model,
-                             optimizer, configs, layout)
+                             optimizer, layout)
     step()  # allocates the optimizer state
     saved = LiveSavedBytes([q for chunk in model for q in chunk.parameters()])
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):

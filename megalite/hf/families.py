@@ -29,7 +29,8 @@ def family_of_source(path: str, flag: str = "--input",
     if not os.path.isfile(config_file):
         raise ValueError(f"{flag} {path}: no config.json (expected a transformers model "
                          f"directory or a .gguf file)")
-    model_type = json.load(open(config_file)).get("model_type")
+    with open(config_file) as f:
+        model_type = json.load(f).get("model_type")
     if FAMILIES.get(model_type) not in families:
         names = [name for name, family in FAMILIES.items() if family in families]
         raise ValueError(f"{flag} {path}: model_type {model_type!r} is none of "

@@ -29,6 +29,7 @@ from megalite.data.tokenizers import Tokenizer
 from megalite.inference.generation import GenerationStats
 from megalite.inference.sampling import SamplingParams
 from megalite.inference.text import complete, encode_prompts
+from megalite.mpu import comm
 
 IDLE_TICK_S = 2.0
 
@@ -123,8 +124,7 @@ class CompletionServer:
             return False
         late = torch.tensor([float(time.perf_counter() - start > timeout)],
                             device=next(self.model.parameters()).device)
-        if dist.get_world_size() > 1:
-            dist.broadcast(late, src=0)
+        comm.broadcast(late, 0, dist.group.WORLD)  # every rank generates
         return bool(late.item())
 
     def _header(self, request: Request) -> dict:
@@ -261,8 +261,12 @@ def listen(host: str, port: int) -> socket.socket:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(info[0], socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(info[4])
-        sock.listen(128)
+        try:
+            sock.bind(info[4])
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
     except OSError as error:
         raise ValueError(f"--host {host} --port {port}: cannot listen there "
                          f"({error.strerror or error})") from None

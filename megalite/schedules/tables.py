@@ -113,16 +113,21 @@ class ScheduleKind:
         _require("v", v, _is_int(v) and self.runs_chunks(v),
                  f"{self._chunks('an int >= ')} per rank for {self.name}{more}")
 
-    def check_layout(self, pp: int, vpp: int | None, microbatches: int) -> None:
-        """Raise ValueError (one line naming the flag) unless --pipeline-schedule <this> runs
-        with --pp `pp`, --vpp `vpp` and `microbatches` per step (and DP rank): `check_chunks`,
-        then the resolved schedule's `check_microbatches`."""
+    def chunks_for(self, pp: int, vpp: int | None) -> int | None:
+        """--vpp as a run asking for this schedule on `pp` ranks uses it: a schedule with a
+        fixed number of chunks > 1 gets it by default (zbv: 2); ValueError (`check_chunks`)
+        unless the schedule that runs takes it. One stage: any schedule is plain accumulation
+        (the grid checks --vpp)."""
+        if pp == 1:
+            return vpp
+        if vpp is None and self.min_chunks == self.max_chunks > 1:
+            vpp = self.min_chunks
         self.check_chunks(pp, vpp)
-        resolve_schedule(self.name, pp, vpp).check_microbatches(pp, microbatches)
+        return vpp
 
     def check_chunks(self, pp: int, vpp: int | None) -> None:
-        """The chunk rules of `check_layout` (they need no batch sizes): --vpp with a one-chunk
-        schedule, and the chunks of the schedule that runs."""
+        """The chunk rules (they need no batch sizes): --vpp with a one-chunk schedule, and the
+        chunks of the schedule that runs."""
         if vpp and self.max_chunks == 1 and not self.interleaves_with_vpp:
             raise ValueError(f"--pipeline-schedule {self.name} runs one model chunk per rank: "
                              f"drop --vpp ({vpp}) or choose {_chunked_names()}")
@@ -132,7 +137,7 @@ class ScheduleKind:
                              + (f"got --vpp {vpp}" if vpp else "got no --vpp"))
 
     def check_microbatches(self, pp: int, microbatches: int) -> None:
-        """The microbatch rules of `check_layout`, for this schedule running on `pp` ranks."""
+        """The microbatch rules of this (resolved) schedule running on `pp` ranks."""
         per_step = (f"microbatches per step ({microbatches} = --global-batch-size / "
                     "(--micro-batch-size x DP))")
         if self.microbatches_multiple_of_p and microbatches % pp:
