@@ -96,12 +96,27 @@ def _sharded_parameter(full_shape: tuple[int, ...], partition_dim: int, size: in
     """This rank's shard along partition_dim (one of size / replicas shards, `stride` blocks
     each split) of the full fp32 tensor whose first `init_rows` rows (default: all)
     `init_method` fills, the others zero. The full tensor is never held: it is drawn on the
-    CPU a block of rows at a time (`_row_blocks`) and each block's share kept."""
+    CPU a block of rows at a time (`_row_blocks`) and each block's share kept. On the meta
+    device nothing is drawn."""
     shards = size // replicas
     index = _split_shards(torch.arange(full_shape[partition_dim]), 0, stride, shards)[
         rank // replicas]
     shape = list(full_shape)
     shape[partition_dim] = len(index)
+    if torch.device(device or "cpu").type == "meta":  # shapes only (e.g. checking names)
+        local = torch.empty(shape, device="meta")
+    else:
+        local = _draw_shard(shape, index, full_shape, partition_dim, init_method, init_rows)
+    param = nn.Parameter(local.to(device=device, dtype=dtype))
+    set_tensor_model_parallel_attributes(param, shards > 1, partition_dim, stride, replicas)
+    return param
+
+
+def _draw_shard(shape: list[int], index: torch.Tensor, full_shape: tuple[int, ...],
+                partition_dim: int, init_method: InitMethod, init_rows: int | None
+                ) -> torch.Tensor:
+    """The rows/columns `index` (along partition_dim) of the full fp32 tensor, drawn on the
+    CPU one bounded block of rows at a time."""
     local = torch.zeros(shape)
     rest = tuple(full_shape[1:])
     for start, end in _row_blocks(full_shape[0] if init_rows is None else init_rows,
@@ -113,9 +128,7 @@ def _sharded_parameter(full_shape: tuple[int, ...], partition_dim: int, size: in
             local[inside] = block[index[inside] - start]
         else:
             local[start:end] = block.index_select(partition_dim, index)
-    param = nn.Parameter(local.to(device=device, dtype=dtype))
-    set_tensor_model_parallel_attributes(param, shards > 1, partition_dim, stride, replicas)
-    return param
+    return local
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
