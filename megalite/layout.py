@@ -29,6 +29,7 @@ class RunLayout:
     num_microbatches: int      # per step per DP rank
     seq_length: int
     sequence_parallel: bool
+    sharding: str              # data-parallel sharding: no_shard (DDP) or optim (ZeRO-1)
 
     @property
     def world_size(self) -> int:
@@ -48,15 +49,16 @@ class RunLayout:
         return self.seq_length // self.grid.cp // (self.grid.tp if self.sequence_parallel else 1)
 
     def describe(self) -> str:
-        """'world 8 = TP 2 x PP 2 x DP 2' (CP, EP and VPP named when used, and the tokens per
-        rank when the sequence is split)."""
+        """'world 8 = TP 2 x PP 2 x DP 2 | sharding no_shard' (CP, EP and VPP named when used,
+        and the tokens per rank when the sequence is split)."""
         g = self.grid
         cp = f"CP {g.cp} x " if g.cp > 1 else ""
         vpp = f" (VPP {g.vpp})" if g.vpp else ""
         ep = f" (EP {g.ep})" if g.ep > 1 else ""
         split = self.seq_length_per_rank
         tokens = f" | seq {self.seq_length}, {split} per rank" if split < self.seq_length else ""
-        return f"world {g.world_size} = TP {g.tp} x {cp}PP {g.pp}{vpp} x DP {g.dp}{ep}{tokens}"
+        return (f"world {g.world_size} = TP {g.tp} x {cp}PP {g.pp}{vpp} x DP {g.dp}{ep} | "
+                f"sharding {self.sharding}{tokens}")
 
     @classmethod
     def from_configs(cls, configs: Configs, world_size: int) -> "RunLayout":
@@ -83,8 +85,9 @@ class RunLayout:
         schedule.check_microbatches(grid.pp, microbatches)
         o = configs.optimizer
         check_decay_iters(o.lr_decay_style, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters)
+        sharding = "optim" if o.use_distributed_optimizer else "no_shard"
         return cls(grid, schedule, t.micro_batch_size, global_batch, microbatches, t.seq_length,
-                   p.sequence_parallel)
+                   p.sequence_parallel, sharding)
 
 
 def global_batch_size(train: TrainConfig, data_parallel_size: int) -> int:

@@ -89,3 +89,18 @@ def test_the_control_layout_passes():
     flags = next(c[1] for c in CASES if c[2] is None)
     layout = RunLayout.from_configs(parse_configs(flags), 4)
     assert (layout.grid.tp, layout.data_parallel_size, layout.num_microbatches) == (4, 1, 1)
+
+
+@pytest.mark.parametrize("flags,world,line", [
+    ([], 1, "world 1 = TP 1 x PP 1 x DP 1 | sharding no_shard"),
+    (["--ep", "2", *MOE, "--use-distributed-optimizer"], 4,
+     "world 4 = TP 1 x PP 1 x DP 4 (EP 2) | sharding optim"),
+    (["--tp", "2", "--sequence-parallel", "--cp", "2", "--attention-dropout", "0", "--pp", "2",
+      "--vpp", "2", "--global-batch-size", "16"], 8,
+     "world 8 = TP 2 x CP 2 x PP 2 (VPP 2) x DP 1 | sharding no_shard | seq 128, 32 per rank"),
+])
+def test_the_start_line_names_every_axis_and_the_sharding(flags, world, line):
+    from megalite.config import parse_configs
+    from megalite.layout import RunLayout
+    assert RunLayout.from_configs(parse_configs(flags + ["--seq-length", "128"]),
+                                  world).describe() == line
