@@ -160,7 +160,7 @@ def evaluate(forward_step_func: Callable, data_iterator: Iterator, model: list,
     keys, totals = [], None
     for _ in range(configs.train.eval_iters if iters is None else iters):
         losses = run_schedule(forward_step_func, data_iterator, model, layout,
-                              forward_only=True)
+                              forward_only=True, loss_keys=keys or None)  # names: learnt once
         keys, sums = _sum_over_data_parallel(losses)
         totals = sums.double() if totals is None else totals + sums.double()
     for chunk in model:
