@@ -88,6 +88,26 @@ class ModelConfig:
     moe_z_loss_coeff: float = arg(0.0, "coefficient of the router z-loss")
     moe_expert_capacity_factor: float | None = arg(
         None, "drop choices over capacity x fair share per expert (default: dropless)")
+    multi_latent_attention: bool = arg(
+        False, "multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv projections, "
+        "a decoupled RoPE key shared by the heads; see --q-lora-rank and the head dims")
+    q_lora_rank: int | None = arg(None, "MLA: rank of the query compression (0/None: a full "
+                                  "query projection)")
+    kv_lora_rank: int = arg(32, "MLA: rank of the compressed key-value latent c_kv (cached in "
+                            "generation)")
+    qk_head_dim: int = arg(128, "MLA: per-head query/key dim without RoPE")
+    qk_pos_emb_head_dim: int = arg(64, "MLA: per-head query/key dim with RoPE (the shared key)")
+    v_head_dim: int = arg(128, "MLA: per-head value dim")
+    rotary_scaling_factor: float = arg(1.0, "YaRN RoPE scaling factor (DeepSeek-V3: 40; 1: off)")
+    mscale: float = arg(1.0, "YaRN: mscale of the RoPE attention factor")
+    mscale_all_dim: float = arg(0.0, "YaRN: mscale_all_dim (softmax scale multiplied by "
+                                "mscale(factor, this)^2 when nonzero)")
+    beta_fast: float = arg(32.0, "YaRN: fast rotation boundary")
+    beta_slow: float = arg(1.0, "YaRN: slow rotation boundary")
+    mtp_num_layers: int | None = arg(None, "multi-token prediction: modules after the main "
+                                     "stack, module k predicts token i + k + 1 (off: none)")
+    mtp_loss_scaling_factor: float = arg(0.1, "multi-token prediction: the MTP losses' mean "
+                                         "is added to the loss times this")
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
@@ -120,6 +140,22 @@ class ModelConfig:
                 raise ValueError(f"--moe-layer-freq must be >= 1, got {self.moe_layer_freq}")
             if self.moe_ffn_hidden_size is None:
                 self.moe_ffn_hidden_size = self.ffn_hidden_size
+
+        if self.multi_latent_attention:
+            for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"--{name.replace('_', '-')} must be positive with "
+                                     f"--multi-latent-attention, got {getattr(self, name)}")
+            if self.qk_pos_emb_head_dim % 2 or self.position_embedding_type != "rope":
+                raise ValueError("--multi-latent-attention needs --position-embedding-type rope "
+                                 f"and an even --qk-pos-emb-head-dim (got "
+                                 f"{self.qk_pos_emb_head_dim})")
+            if self.group_query_attention:
+                raise ValueError("--multi-latent-attention excludes --group-query-attention "
+                                 "(every head reads the shared latent)")
+        if self.rotary_scaling_factor != 1.0 and self.use_rope_scaling:
+            raise ValueError("--rotary-scaling-factor (YaRN) excludes --use-rope-scaling "
+                             "(Llama 3.1)")
 
     @property
     def head_dim(self) -> int:
@@ -319,6 +355,8 @@ MINIMUM = {
     "seq_length": 1, "train_iters": 0, "exit_interval": 1, "eval_interval": 0,
     "eval_iters": 0, "log_interval": 1, "max_skipped_steps": 1, "save_interval": 1,
     "keep_latest_checkpoints": 1, "num_labels": 2, "epochs": 1, "num_workers": 0,
+    "q_lora_rank": 0, "mtp_num_layers": 0, "mtp_loss_scaling_factor": 0.0,
+    "rotary_scaling_factor": 1.0,
 }
 # Of these, the ones that must be strictly greater than their minimum.
 STRICTLY_ABOVE = frozenset({"distributed_timeout_minutes", "loss_scale", "initial_loss_scale",

@@ -3,8 +3,10 @@ import torch
 
 
 class LayerKVCache:
-    """Keys and values of one layer: [b, groups/tp, max_len, d] each, allocated on the first
-    `update` (with the shape, dtype and device of the keys it is given)."""
+    """Keys and values of one layer: [b, groups/tp, max_len, d] and [b, groups/tp, max_len, dv],
+    allocated on the first `update` (with the shape, dtype and device of what it is given).
+    Multi-head latent attention stores its latent c_kv [b, 1, s, kv_lora_rank] as the "keys"
+    and its shared RoPE key [b, 1, s, rope dim] as the "values"."""
 
     def __init__(self, owner: "KVCache") -> None:
         self.owner = owner
@@ -19,9 +21,8 @@ class LayerKVCache:
             raise ValueError(f"KV cache of {self.owner.max_len} positions cannot take "
                              f"positions up to {end}")
         if self.keys is None:
-            b, groups, _, d = k.shape
-            self.keys = k.new_empty(b, groups, self.owner.max_len, d)
-            self.values = v.new_empty(b, groups, self.owner.max_len, d)
+            self.keys = k.new_empty(*k.shape[:2], self.owner.max_len, k.shape[3])
+            self.values = v.new_empty(*v.shape[:2], self.owner.max_len, v.shape[3])
         self.keys[:, :, start:end] = k
         self.values[:, :, start:end] = v
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -43,6 +44,11 @@ class KVCache:
         if number not in self.layers:
             self.layers[number] = LayerKVCache(self)
         return self.layers[number]
+
+    def bytes_per_token(self) -> int:
+        """Bytes this rank's cache holds per position of one sequence, over all layers."""
+        return sum((c.keys.shape[1] * c.keys.shape[3] + c.values.shape[1] * c.values.shape[3])
+                   * c.keys.element_size() for c in self.layers.values() if c.keys is not None)
 
     def advance(self, s: int) -> None:
         self.offset += s

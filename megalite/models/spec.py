@@ -8,6 +8,7 @@ pipeline stage a parameter name belongs to.
 from dataclasses import asdict, dataclass
 
 from megalite.config import ModelConfig
+from megalite.mpu.rotary import yarn_mscale
 
 LAYER_PREFIX = "encoder.layers."
 
@@ -55,12 +56,47 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class LatentAttentionSpec:
+    """Keyword arguments of megalite.mpu.latent_attention.ParallelLatentAttention (less init
+    and placement): multi-head latent attention instead of the attention spec's Q/K/V."""
+
+    hidden_size: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    norm_epsilon: float
+    causal: bool
+    attention_dropout: float
+
+    def params(self, tp: int = 1) -> int:
+        """Parameters on one TP rank: down-projections and latent norms whole, up-projections
+        and the output projection split over the heads."""
+        heads, dq = self.num_attention_heads, self.qk_head_dim + self.qk_pos_emb_head_dim
+        q = (self.hidden_size * self.q_lora_rank + self.q_lora_rank
+             + self.q_lora_rank * heads * dq // tp) if self.q_lora_rank \
+            else self.hidden_size * heads * dq // tp
+        kv = self.hidden_size * (self.kv_lora_rank + self.qk_pos_emb_head_dim) \
+            + self.kv_lora_rank + self.kv_lora_rank * heads * (self.qk_head_dim
+                                                              + self.v_head_dim) // tp
+        return q + kv + heads * self.v_head_dim * self.hidden_size // tp
+
+    def matmul_params(self) -> int:
+        """Weights a token's projections go through (the latent norms left out)."""
+        return self.params() - self.kv_lora_rank - (self.q_lora_rank or 0)
+
+
+@dataclass(frozen=True)
 class RotarySpec:
     """Keyword arguments of megalite.mpu.rotary.RotaryEmbedding."""
 
     head_dim: int
     base: float
     scaling: dict | None
+    yarn: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +115,8 @@ class TransformerSpec:
     tie_output: bool
     moe: MoESpec | None = None
     moe_layer_freq: int = 1
+    latent_attention: LatentAttentionSpec | None = None
+    mtp_num_layers: int = 0
 
     @classmethod
     def from_config(cls, c: ModelConfig) -> "TransformerSpec":
@@ -95,20 +133,37 @@ class TransformerSpec:
             c.moe_router_score_function, c.moe_router_topk_renorm, c.moe_aux_loss_coeff,
             c.moe_z_loss_coeff, c.moe_expert_capacity_factor,
             c.moe_shared_expert_intermediate_size, c.moe_shared_expert_gate)
+        yarn = None
+        if c.rotary_scaling_factor != 1.0:
+            yarn = dict(factor=c.rotary_scaling_factor,
+                        original_max_positions=c.rope_original_max_position_embeddings,
+                        beta_fast=c.beta_fast, beta_slow=c.beta_slow, mscale=c.mscale,
+                        mscale_all_dim=c.mscale_all_dim)
+        mla = None
+        if c.multi_latent_attention:
+            scale = (c.qk_head_dim + c.qk_pos_emb_head_dim) ** -0.5
+            if yarn and c.mscale_all_dim:
+                scale *= yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim) ** 2
+            mla = LatentAttentionSpec(
+                c.hidden_size, c.num_attention_heads, c.q_lora_rank or None, c.kv_lora_rank,
+                c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim, scale, c.norm_epsilon,
+                c.causal, c.attention_dropout)
+        rope_dim = c.qk_pos_emb_head_dim if mla else c.head_dim
         return cls(
             normalization=c.normalization, norm_epsilon=c.norm_epsilon,
             post_norm=c.post_layernorm, position_embedding=c.position_embedding_type,
-            rotary=RotarySpec(c.head_dim, c.rotary_base, scaling) if rope else None,
+            rotary=RotarySpec(rope_dim, c.rotary_base, scaling, yarn) if rope else None,
             attention=AttentionSpec(c.hidden_size, c.num_attention_heads, c.query_groups,
                                     c.head_dim, bias or c.add_qkv_bias, bias, c.causal,
                                     c.attention_dropout),
             mlp=MLPSpec(c.hidden_size, c.ffn_hidden_size, activation, bias),
             hidden_dropout=c.hidden_dropout,
             tie_output=not c.untie_embeddings_and_output_weights, moe=moe,
-            moe_layer_freq=c.moe_layer_freq)
+            moe_layer_freq=c.moe_layer_freq, latent_attention=mla,
+            mtp_num_layers=c.mtp_num_layers or 0)
 
     def attention_kwargs(self) -> dict:
-        return asdict(self.attention)
+        return asdict(self.latent_attention or self.attention)
 
     def mlp_kwargs(self) -> dict:
         return asdict(self.mlp)
@@ -132,7 +187,9 @@ class TransformerSpec:
         a = self.attention
         q = a.num_attention_heads * a.kv_channels
         kv = 2 * a.num_query_groups * a.kv_channels
-        return a.hidden_size * (q + kv) + q * a.hidden_size + self._mlp_active(layer)
+        attention = self.latent_attention.matmul_params() if self.latent_attention \
+            else a.hidden_size * (q + kv) + q * a.hidden_size
+        return attention + self._mlp_active(layer)
 
     def _mlp_active(self, layer: int | None) -> int:
         if not self.is_moe_layer(layer):
@@ -171,8 +228,9 @@ class TransformerSpec:
         split = (h * q + q * h) // tp + h * kv // kv_shards
         split_bias = q // tp + kv // kv_shards if a.qkv_bias else 0
         whole_bias = h if a.output_bias else 0
-        return split + split_bias + whole_bias + 2 * self.norm_params(h) + self.mlp_params(
-            tp, layer, ep)
+        attention = self.latent_attention.params(tp) if self.latent_attention \
+            else split + split_bias + whole_bias
+        return attention + 2 * self.norm_params(h) + self.mlp_params(tp, layer, ep)
 
     def norm_params(self, h: int) -> int:
         return 2 * h if self.normalization == "LayerNorm" else h
@@ -180,9 +238,11 @@ class TransformerSpec:
     def layer_forward_flops(self, seq_length: int, layer: int | None = None) -> float:
         """Forward FLOPs per token of one layer: 2 per matmul weight a token goes through,
         plus attention scores and values 4 s heads d (full s, as Megatron counts)."""
-        a = self.attention
-        return 2 * self.layer_matmul_params(layer) + 4 * seq_length * a.num_attention_heads \
-            * a.kv_channels
+        a, mla = self.attention, self.latent_attention
+        score_value_dims = mla.qk_head_dim + mla.qk_pos_emb_head_dim + mla.v_head_dim if mla \
+            else 2 * a.kv_channels
+        return 2 * self.layer_matmul_params(layer) + 2 * seq_length * a.num_attention_heads \
+            * score_value_dims
 
     def output_forward_flops(self, padded_vocab: int) -> float:
         """Forward FLOPs per token of the output layer (logits): 2 h V."""

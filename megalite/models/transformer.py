@@ -19,6 +19,7 @@ from megalite.config import ModelConfig
 from megalite.models.spec import TransformerSpec
 from megalite.moe import MoELayer, MoEState
 from megalite.mpu.attention import ParallelAttention
+from megalite.mpu.latent_attention import ParallelLatentAttention
 from megalite.mpu.layers import (init_method_normal, scaled_init_method_normal,
                                  set_tensor_model_parallel_attributes)
 from megalite.mpu.mlp import ParallelMLP
@@ -78,7 +79,8 @@ class ParallelTransformerLayer(nn.Module):
                                                                config.num_layers),
                   sequence_parallel=sequence_parallel)
         self.input_layernorm = layer_norm(config, params_dtype, device, sequence_parallel)
-        self.self_attention = ParallelAttention(**spec.attention_kwargs(), **kw)
+        attention = ParallelLatentAttention if spec.latent_attention else ParallelAttention
+        self.self_attention = attention(**spec.attention_kwargs(), **kw)
         self.post_attention_layernorm = layer_norm(config, params_dtype, device,
                                                    sequence_parallel)
         if spec.is_moe_layer(layer_number):  # the run layout refuses MoE with SP

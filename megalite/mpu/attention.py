@@ -36,6 +36,33 @@ def check_attention_split(num_attention_heads: int, num_query_groups: int, tp: i
                          f"divisor of the tensor-parallel size ({tp})")
 
 
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   attention_mask: torch.Tensor | None, causal: bool, dropout: float,
+                   cp_group, scale: float | None = None) -> torch.Tensor:
+    """Softmax attention of q [b, heads, sq, d] over k [b, groups, sk, d], v [b, groups, sk, dv]
+    -> [b, heads, sq, dv]; scale 1/sqrt(d) unless given. `causal` adds the causal mask to
+    any given mask (queries aligned to the last keys); dropout (probabilities) draws from the
+    TP-rank RNG stream. More than one rank in `cp_group`: ring attention over it (no mask
+    other than causal)."""
+    if comm.world_size(cp_group) > 1:
+        if attention_mask is not None:
+            raise ValueError("context parallelism supports no attention mask other than causal")
+        return ring_attention(q, k, v, causal, cp_group, scale)
+    sq, sk = q.shape[2], k.shape[2]
+    is_causal = causal and attention_mask is None and sq == sk
+    mask = attention_mask
+    if causal and not is_causal and sq > 1:
+        tril = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        mask = tril if attention_mask is None else attention_mask & tril
+    gqa = k.shape[1] != q.shape[1]  # SDPA shares each KV group among its heads: no copy
+    if dropout == 0.0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              enable_gqa=gqa, scale=scale)
+    with get_rng_tracker().fork():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                              is_causal=is_causal, enable_gqa=gqa, scale=scale)
+
+
 class ParallelAttention(nn.Module):
     """forward(x [s, b, h], attention_mask [b, 1, 1|s, s + cached] bool (True = attend) | None,
     rotary (cos, sin) [b, 1, s, d] | None, recompute_core, kv_cache) -> [s, b, h].
@@ -103,25 +130,8 @@ class ParallelAttention(nn.Module):
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        attention_mask: torch.Tensor | None) -> torch.Tensor:
         """q [b, heads/tp, s, d], k, v [b, groups/tp, s, d] -> [b, heads/tp, s, d]."""
-        if comm.world_size(self.cp_group) > 1:
-            if attention_mask is not None:
-                raise ValueError("context parallelism supports no attention mask other than "
-                                 "causal")
-            return ring_attention(q, k, v, self.causal, self.cp_group)
-        dropout = self.attention_dropout if self.training else 0.0
-        sq, sk = q.shape[2], k.shape[2]
-        causal = self.causal and attention_mask is None and sq == sk
-        mask = attention_mask
-        if self.causal and not causal and sq > 1:
-            tril = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-            mask = tril if attention_mask is None else attention_mask & tril
-        gqa = k.shape[1] != q.shape[1]  # SDPA shares each KV group among its heads: no copy
-        if dropout == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                  enable_gqa=gqa)
-        with get_rng_tracker().fork():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                  is_causal=causal, enable_gqa=gqa)
+        return core_attention(q, k, v, attention_mask, self.causal,
+                              self.attention_dropout if self.training else 0.0, self.cp_group)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,

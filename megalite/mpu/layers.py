@@ -155,17 +155,20 @@ class ColumnParallelLinear(nn.Module):
     `allreduce_tp_partial_grads`. gather_output needs tp_replicas = 1.
     `sequence_parallel`: x is this rank's [s/t, b, in]; it is all-gathered along s on the TP
     group (backward: reduce-scatter) instead of the grad all-reduce.
+    `disable_grad_reduce` (Megatron's name): x is used as it is and its grad left to this
+    rank's share (the caller sums it over TP, e.g. through a replicated layer before).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
                  gather_output: bool = False, init_method: InitMethod | None = None,
                  skip_bias_add: bool = False, group=None, params_dtype: torch.dtype = torch.float32,
                  device=None, stride: int = 1, tp_replicas: int = 1,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, disable_grad_reduce: bool = False) -> None:
         super().__init__()
         self.group, size, rank = _group_info(group)
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        self.sequence_parallel = sequence_parallel and size > 1
+        self.disable_grad_reduce = disable_grad_reduce
+        self.sequence_parallel = sequence_parallel and size > 1 and not disable_grad_reduce
         if size % tp_replicas:
             raise ValueError(f"tp_replicas ({tp_replicas}) must divide the tensor-parallel size "
                              f"({size})")
@@ -184,7 +187,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)
-        else:
+        elif not self.disable_grad_reduce:
             x = copy_to_tensor_model_parallel_region(x, self.group)
         bias = None if self.skip_bias_add else self.bias
         y = linear(x, self.weight, bias)

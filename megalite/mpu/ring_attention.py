@@ -70,24 +70,25 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, group):
+    def forward(ctx, q, k, v, causal, group, scale):
         cp, rank = comm.world_size(group), torch.distributed.get_rank(group)
         ranks = torch.distributed.get_process_group_ranks(group)
         nxt, prev = ranks[(rank + 1) % cp], ranks[(rank - 1) % cp]
-        scale = q.shape[-1] ** -0.5
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         plan = block_plan(cp, rank, q.shape[2], causal)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=torch.float32)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        kv, dk = torch.cat([k, v], dim=-1), k.shape[-1]  # one message; k and v widths may differ
         for step, block in enumerate(plan):
             incoming = torch.empty_like(kv)
             works = comm.batch_send_recv([("send", kv, nxt), ("recv", incoming, prev)], group) \
                 if step < cp - 1 else []
-            scores = _scores(q[:, :, block.q], kv[0][:, :, block.kv], scale, causal=block.causal)
+            scores = _scores(q[:, :, block.q], kv[..., :dk][:, :, block.kv], scale,
+                             causal=block.causal)
             attention_work[rank] += scores.shape[-2] * scores.shape[-1]
             block_lse = scores.logsumexp(-1)
             block_out = torch.matmul(torch.exp(scores - block_lse.unsqueeze(-1)),
-                                     _repeat(kv[1][:, :, block.kv], q.shape[1]).float())
+                                     _repeat(kv[..., dk:][:, :, block.kv], q.shape[1]).float())
             new_lse = torch.logaddexp(lse[:, :, block.q], block_lse)
             out[:, :, block.q] = (out[:, :, block.q] * (lse[:, :, block.q] - new_lse).exp()
                                   .unsqueeze(-1)
@@ -98,7 +99,7 @@ class _RingAttention(torch.autograd.Function):
             kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.group, ctx.peers, ctx.scale = causal, group, (nxt, prev), scale
-        return out.to(q.dtype)
+        return out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, dout):
@@ -108,7 +109,7 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.float()
         delta = (dout * out).sum(-1)  # [b, heads, sq]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        kv, dk = torch.cat([k, v], dim=-1), k.shape[-1]
         total = None  # dK/dV of the block computed in the previous step, summed so far
         for step, block in enumerate(block_plan(cp, rank, q.shape[2], ctx.causal)):
             incoming, partial = torch.empty_like(kv), None
@@ -117,7 +118,8 @@ class _RingAttention(torch.autograd.Function):
                 partial = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
                 ops += [("send", total, nxt), ("recv", partial, prev)]
             works = comm.batch_send_recv(ops, group) if ops else []
-            qb, kb, vb = q[:, :, block.q], kv[0][:, :, block.kv], kv[1][:, :, block.kv]
+            kvb = kv[:, :, block.kv]
+            qb, kb, vb = q[:, :, block.q], kvb[..., :dk], kvb[..., dk:]
             probs = torch.exp(_scores(qb, kb, scale, block.causal)
                               - lse[:, :, block.q].unsqueeze(-1))
             dout_b = dout[:, :, block.q]
@@ -125,9 +127,9 @@ class _RingAttention(torch.autograd.Function):
             dscores = probs * (dprobs - delta[:, :, block.q].unsqueeze(-1)) * scale
             dq[:, :, block.q] += torch.matmul(dscores, _repeat(kb, q.shape[1]).float())
             contribution = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            contribution[0][:, :, block.kv] = _fold(
+            contribution[..., :dk][:, :, block.kv] = _fold(
                 torch.matmul(dscores.transpose(-1, -2), qb.float()), k.shape[1])
-            contribution[1][:, :, block.kv] = _fold(
+            contribution[..., dk:][:, :, block.kv] = _fold(
                 torch.matmul(probs.transpose(-1, -2), dout_b), k.shape[1])
             for work in works:
                 work.wait()
@@ -138,12 +140,14 @@ class _RingAttention(torch.autograd.Function):
             for work in comm.batch_send_recv([("send", total, nxt), ("recv", home, prev)], group):
                 work.wait()
             total = home
-        return dq.to(q.dtype), total[0].to(k.dtype), total[1].to(v.dtype), None, None
+        return (dq.to(q.dtype), total[..., :dk].to(k.dtype), total[..., dk:].to(v.dtype), None,
+                None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   group) -> torch.Tensor:
+                   group, scale: float | None = None) -> torch.Tensor:
     """Softmax attention of this CP rank's q [b, heads, s/cp, d] over the whole sequence's
-    k, v [b, groups, s/cp, d] per rank (ring on the CP `group`) -> [b, heads, s/cp, d].
-    Scale 1/sqrt(d) as SDPA; heads/groups query heads share a KV group."""
-    return _RingAttention.apply(q, k, v, causal, group)
+    k [b, groups, s/cp, d], v [b, groups, s/cp, dv] per rank (ring on the CP `group`) ->
+    [b, heads, s/cp, dv]. Scale `scale`, default 1/sqrt(d) as SDPA; heads/groups query heads
+    share a KV group; k and v travel as one [.., d + dv] message."""
+    return _RingAttention.apply(q, k, v, causal, group, scale)
