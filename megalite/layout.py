@@ -126,6 +126,9 @@ def _check_model_split(m: ModelConfig, p: ParallelConfig, grid: GridLayout) -> N
     if grid.cp > 1 and m.attention_dropout:
         raise ValueError(f"--context-parallel-size {grid.cp} needs --attention-dropout 0 "
                          f"(got {m.attention_dropout})")
+    if m.mtp_num_layers and grid.cp > 1:
+        raise ValueError(f"--mtp-num-layers needs --context-parallel-size 1 (got {grid.cp}): "
+                         "the shifted tokens would live on other CP ranks")
     if m.num_experts is None:
         if grid.ep > 1:
             raise ValueError(f"--expert-model-parallel-size {grid.ep} needs --num-experts")

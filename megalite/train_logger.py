@@ -11,7 +11,7 @@ from megalite.layout import RunLayout
 from megalite.log_writers import ScalarWriters
 from megalite.metrics import flops_per_iteration, peak_memory_mb
 from megalite.models.transformer_stage import moe_states
-from megalite.moe import reduce_step_stats
+from megalite.moe.stats import reduce_mtp_loss, reduce_step_stats
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import pad_vocab_size
 
@@ -91,15 +91,23 @@ class TrainingLogger:
         self.start, self.data_seconds = time.time(), 0.0
 
     def _moe_stats(self) -> dict[str, float]:
-        """The last step's router losses, dropped choices and expert imbalance (MoE models;
-        collectives over the pipeline and data-parallel groups)."""
+        """The last step's multi-token-prediction loss (with --mtp-num-layers), router losses,
+        dropped choices and expert imbalance (MoE models); collectives over the pipeline and
+        data-parallel groups."""
         m = self.configs.model
+        stats = {}
+        if m.mtp_num_layers:
+            stats["mtp loss"] = reduce_mtp_loss(
+                moe_states(self.model), self.layout.num_microbatches, device.current_device(),
+                ps.get_pipeline_model_parallel_group(),
+                ps.get_data_parallel_group(with_context_parallel=True))
         if not m.num_experts:
-            return {}
-        return reduce_step_stats(moe_states(self.model), m.num_layers, m.num_experts,
-                                 self.layout.num_microbatches, device.current_device(),
-                                 ps.get_pipeline_model_parallel_group(),
-                                 ps.get_data_parallel_group(with_context_parallel=True))
+            return stats
+        return stats | reduce_step_stats(
+            moe_states(self.model), m.num_layers + (m.mtp_num_layers or 0), m.num_experts,
+            self.layout.num_microbatches, device.current_device(),
+            ps.get_pipeline_model_parallel_group(),
+            ps.get_data_parallel_group(with_context_parallel=True))
 
     def validation(self, iteration: int, loss: float) -> None:
         perplexity = math.exp(min(20.0, loss))

@@ -13,6 +13,8 @@ from megalite.device import current_device
 from megalite.distributed import DistributedDataParallel
 from megalite.models import GPTModel
 from megalite.models.stage import build_model_chunks, finalize_model_grads, sync_shared_embedding
+from megalite.models.transformer_stage import moe_states
+from megalite.moe.stats import reduce_mtp_loss
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel
@@ -42,7 +44,8 @@ def global_batch(dp: int, vocab: int = VOCAB) -> torch.Tensor:
 def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
                   vpp: int | None = None, load=None) -> dict:
     """Mean loss over all tokens of the global batch, the grads of this rank's parameters
-    (full over TP, by name), and whether the TP-partial replicated grads agree over TP.
+    (full over TP, by name), and whether the TP-partial replicated grads agree over TP (and
+    the multi-token-prediction loss, with --mtp-num-layers).
     `load(chunks)` fills the weights (default: megalite's seeded init)."""
     initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp)
     model_parallel_seed(SEED, ps.get_tensor_model_parallel_rank(),
@@ -73,4 +76,10 @@ def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
                 copies = comm.all_gather_stacked(param.main_grad,
                                                  ps.get_tensor_model_parallel_group())
                 partial_agree &= bool((copies == copies[0]).all())
-    return {"loss": loss.item(), "grads": grads, "tp partial grads agree": partial_agree}
+    out = {"loss": loss.item(), "grads": grads, "tp partial grads agree": partial_agree}
+    if config.mtp_num_layers:
+        out["mtp loss"] = reduce_mtp_loss(
+            moe_states(model), MICROBATCHES, current_device(),
+            ps.get_pipeline_model_parallel_group(),
+            ps.get_data_parallel_group(with_context_parallel=True))
+    return out

@@ -125,7 +125,7 @@ def reorder_rope_rows(weight: torch.Tensor, blocks: int, rope: int, inverse: boo
     return torch.cat([view[:, :-rope], view[:, -rope:][:, order]], dim=1).reshape(weight.shape)
 
 
-def _convert_layers(state: dict[str, torch.Tensor], config: ModelConfig, to_hf: bool,
+def convert_layers(state: dict[str, torch.Tensor], config: ModelConfig, to_hf: bool,
                     interleave: bool) -> dict[str, torch.Tensor]:
     """The per-layer weights renamed one way or the other (RoPE rows reordered when
     `interleave`), SwiGLU's [gate; up] split or joined."""
@@ -164,7 +164,7 @@ def deepseek_v3_to_megalite(hf_state: dict[str, torch.Tensor], config: ModelConf
         out.pop("output_layer.weight", None)
     elif "output_layer.weight" not in out:
         raise KeyError("untied DeepSeek-V3 config but the state dict has no lm_head.weight")
-    out.update(_convert_layers(sd, config, to_hf=False, interleave=rope_interleave))
+    out.update(convert_layers(sd, config, to_hf=False, interleave=rope_interleave))
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -175,7 +175,7 @@ def megalite_to_deepseek_v3(state: dict[str, torch.Tensor], config: ModelConfig
     out = {theirs: state[ours] for ours, theirs in _TOP_MAP.items() if ours in state}
     if not config.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = state["embedding.word_embeddings.weight"]
-    out.update(_convert_layers(state, config, to_hf=True, interleave=True))
+    out.update(convert_layers(state, config, to_hf=True, interleave=True))
     return {k: v.contiguous() for k, v in out.items()}
 
 

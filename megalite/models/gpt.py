@@ -2,7 +2,9 @@
 import torch
 
 from megalite.config import ModelConfig
+from megalite.models.mtp import MultiTokenPrediction
 from megalite.models.spec import TransformerSpec
+from megalite.moe.stats import attach_aux_loss
 from megalite.models.transformer import init_scope, layer_norm
 from megalite.models.transformer_stage import TransformerStage
 from megalite.mpu.cross_entropy import vocab_parallel_cross_entropy
@@ -24,6 +26,10 @@ class GPTModel(TransformerStage):
       gathered again before the output layer).
     Context parallelism: input_ids, labels and position_ids are this CP rank's tokens
     (megalite.mpu.context_parallel.get_batch_on_this_cp_rank), s is then s/cp.
+    Multi-token prediction (last stage, with labels; input_ids given there too): the
+    per-token loss returned is the main one, and in backward the MTP loss (recorded in the
+    chunk's `moe_state` for the log) gets the gradient --mtp-loss-scaling-factor times
+    `moe_state.backward_scale`, the factor the executor gives the main loss.
     """
 
     def __init__(self, config: ModelConfig, pre_process: bool = True, post_process: bool = True,
@@ -32,6 +38,7 @@ class GPTModel(TransformerStage):
                  sequence_parallel: bool = False) -> None:
         spec = TransformerSpec.from_config(config)
         super().__init__(config, pre_process, post_process, spec.tie_output,
+                         last_stage_embedding=spec.mtp_num_layers > 0,
                          layer_range=layer_range, init_seed=init_seed, group=group,
                          params_dtype=params_dtype, device=device,
                          sequence_parallel=sequence_parallel)
@@ -40,6 +47,11 @@ class GPTModel(TransformerStage):
         if post_process:
             self.final_layernorm = layer_norm(config, params_dtype, device,
                                               self.sequence_parallel)
+        self.mtp = None
+        if post_process and spec.mtp_num_layers:
+            self.mtp = MultiTokenPrediction(config, init_seed, self.sequence_parallel,
+                                            group=group, params_dtype=params_dtype,
+                                            device=device, moe_state=self.moe_state)
         if post_process and not spec.tie_output:
             with init_scope(init_seed, "output_layer"):
                 self.output_layer = VocabParallelEmbedding(
@@ -76,4 +88,11 @@ class GPTModel(TransformerStage):
                                                  self.sequence_parallel)
         if labels is None:
             return logits.transpose(0, 1)
-        return vocab_parallel_cross_entropy(logits, labels.t()).t()
+        loss = vocab_parallel_cross_entropy(logits, labels.t()).t()
+        if self.mtp is None:
+            return loss
+        mtp_loss = self.mtp(hidden, input_ids, labels, self.embedding,
+                            self.output_weights(), self._rotary(input_ids, position_ids))
+        self.moe_state.record_mtp_loss(mtp_loss)
+        return attach_aux_loss(loss, self.config.mtp_loss_scaling_factor * mtp_loss,
+                               self.moe_state)

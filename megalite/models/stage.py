@@ -6,8 +6,7 @@ from torch import nn
 
 from megalite.models.sharding import unwrap
 from megalite.mpu import comm, parallel_state
-from megalite.mpu.layers import (VocabParallelEmbedding, allreduce_tp_partial_grads,
-                                 zero_vocab_padding_grads)
+from megalite.mpu.layers import allreduce_tp_partial_grads, zero_vocab_padding_grads
 from megalite.placement import Placement
 
 
@@ -60,15 +59,16 @@ def share_embedding_with_first_stage(weight: nn.Parameter) -> None:
 def shared_embedding_params(model: nn.Module | list[nn.Module]) -> list[nn.Parameter]:
     """The word-embedding weights of this rank's chunks, tied across first and last stage.
 
-    Chunks whose model sets `share_embeddings_and_output_weights = False` (BERT with a
-    classification head: no output layer) have none.
+    Chunks whose model sets `shares_word_embedding = False` (BERT with a classification head,
+    an untied GPT without multi-token prediction: the last stage reads no word embedding)
+    have none.
     """
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return []
-    chunks = model if isinstance(model, list) else [model]
-    return [m.weight for chunk in chunks
-            if getattr(unwrap(chunk), "share_embeddings_and_output_weights", True)
-            for m in chunk.modules() if isinstance(m, VocabParallelEmbedding)]
+    chunks = [unwrap(chunk) for chunk in (model if isinstance(model, list) else [model])]
+    return [chunk.embedding.word_embeddings.weight for chunk in chunks
+            if getattr(chunk, "shares_word_embedding", True)
+            and getattr(chunk, "embedding", None) is not None]
 
 
 @torch.no_grad()

@@ -19,7 +19,8 @@ class TransformerStage(nn.Module):
     pre_process: this stage embeds its input (`stage_input`); otherwise it starts from the
     hidden states [s, b, h] given to `set_input_tensor`. post_process: this stage ends with the
     subclass's head; with `tie_output` that head reads the word embedding, of which the last
-    stage keeps a copy tied to the first stage's (`share_embedding_with_first_stage`).
+    stage keeps a copy tied to the first stage's (`share_embedding_with_first_stage`);
+    `last_stage_embedding` keeps that copy without a tied head (multi-token prediction).
     `embedding_norm`: the embedding is normalised before the dropout (BERT).
     `sequence_parallel` (only with TP > 1): activations between stages are [s/t, b, h], the
     embedding output scattered along s over the TP group.
@@ -29,6 +30,7 @@ class TransformerStage(nn.Module):
 
     def __init__(self, config: ModelConfig, pre_process: bool, post_process: bool,
                  tie_output: bool, embedding_norm: bool = False,
+                 last_stage_embedding: bool = False,
                  layer_range: tuple[int, int] | None = None, init_seed: int = 1234, group=None,
                  params_dtype: torch.dtype = torch.float32, device=None,
                  sequence_parallel: bool = False) -> None:
@@ -38,10 +40,11 @@ class TransformerStage(nn.Module):
         self.tp_size = comm.world_size(tp_group)
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.share_embeddings_and_output_weights = tie_output
+        self.shares_word_embedding = tie_output or last_stage_embedding
         self.layer_range = layer_range or pipeline_layer_range(config.num_layers)
         self.moe_state = MoEState()
         kw = dict(group=group, params_dtype=params_dtype, device=device)
-        tied_head = post_process and tie_output
+        tied_head = post_process and self.shares_word_embedding
         if pre_process or tied_head:
             self.embedding = Embedding(config, init_seed, word_only=not pre_process, **kw)
         self.embedding_layernorm = layer_norm(config, params_dtype, device,

@@ -6,7 +6,8 @@ them the gradient `MoEState.backward_scale` (Megatron's MoEAuxLossAutoScaler). F
 training step it runs, the executor sets it to loss_scale / microbatches, the factor it
 applies to the main loss (`training_step`); outside a step it is 1.0 (a plain backward).
 
-`MoEState.rows` collects, per global layer, the detached aux loss, z-loss, dropped choices
+`MoEState.mtp_loss` sums the step's multi-token-prediction losses (the last stage's) for
+the log line (`reduce_mtp_loss`). `MoEState.rows` collects, per global layer, the detached aux loss, z-loss, dropped choices
 and tokens per expert of every microbatch of the step; `reduce_step_stats` sums those of a
 rank's chunks over the pipeline and data-parallel groups for the log line.
 """
@@ -31,6 +32,12 @@ class MoEState:
     def __init__(self) -> None:
         self.backward_scale = 1.0
         self.rows: dict[int, torch.Tensor] = {}
+        self.mtp_loss: torch.Tensor | None = None  # sum of this step's multi-token losses
+
+    def record_mtp_loss(self, loss: torch.Tensor) -> None:
+        """Add one microbatch's multi-token-prediction loss (detached, on the device)."""
+        loss = loss.detach().float()
+        self.mtp_loss = loss if self.mtp_loss is None else self.mtp_loss + loss
 
     def record(self, layer: int, aux: torch.Tensor, z: torch.Tensor, dropped: torch.Tensor,
                tokens_per_expert: torch.Tensor) -> None:
@@ -47,6 +54,7 @@ def training_step(states: list[MoEState], backward_scale: float) -> Iterator[Non
     backward (loss_scale / microbatches); 1.0 again after the step."""
     for state in states:
         state.rows.clear()
+        state.mtp_loss = None
         state.backward_scale = backward_scale
     try:
         yield
@@ -94,3 +102,17 @@ def reduce_step_stats(states: list[MoEState], num_layers: int, num_experts: int,
     aux, z, dropped, imbalance = torch.cat([table[:, :3].sum(0), imbalance.reshape(1)]).tolist()
     return {STAT_NAMES[0]: aux / (microbatches * dp), STAT_NAMES[1]: z / (microbatches * dp),
             STAT_NAMES[2]: dropped, "expert imbalance": imbalance}
+
+
+def reduce_mtp_loss(states: list[MoEState], microbatches: int, device, pipeline_group,
+                    data_parallel_group) -> float:
+    """This step's multi-token-prediction loss: the mean over microbatches and DP ranks of
+    the loss the last stage recorded (sums over the pipeline and data-parallel groups; one
+    host read)."""
+    total = torch.zeros(1, device=device)
+    for state in states:
+        if state.mtp_loss is not None:
+            total += state.mtp_loss.to(device)
+    comm.all_reduce(total, pipeline_group)
+    comm.all_reduce(total, data_parallel_group)
+    return total.item() / (microbatches * comm.world_size(data_parallel_group))

@@ -1,0 +1,202 @@
+"""A tiny DeepSeek-V3 (multi-head latent attention with query compression, YaRN RoPE with
+mscale, transformers' interleaved RoPE layout, untied head) against transformers
+DeepseekV3ForCausalLM with the same weights, fp32, plus multi-token prediction against an
+explicit reference written here: per depth k, plain-torch RMSNorms, the [emb; h] projection
+and cross entropy over the tokens i + k + 1 inside the sequence, the block being
+transformers' own DeepseekV3DecoderLayer loaded with the MTP block's weights.
+
+One step through the real training path (tests.parallel_step: DDP, pipeline schedule,
+pretrain_gpt.forward_step) at one rank, TP2 with sequence parallelism, PP2, TP2 x PP2 and CP2
+(CP without MTP: refused, see test_mtp_with_context_parallelism_is_refused): the main loss,
+the MTP loss and every gradient within 1e-5 relative of the references. Generation with the
+compressed cache (latent + RoPE key) equals greedy decoding by full forwards.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from megalite.config import parse_configs
+from megalite.device import current_device
+from megalite.hf.deepseek_v3 import convert_layers, deepseek_v3_config, deepseek_v3_to_megalite
+from megalite.layout import RunLayout
+from megalite.models import GPTModel
+from megalite.models.sharding import load_full_state_dict
+from megalite.mpu import initialize_model_parallel
+from tests.multirank import run_on_ranks
+from tests.parallel_step import VOCAB, global_batch, parallel_step
+from tests.reference import rel_err, random_hf_model
+
+TOL = 1e-5
+MTP_FACTOR = 0.3
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+        "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 0.8}
+LAYOUTS = {"tp2 sp": (2, 1, 1, True), "pp2": (1, 2, 1, False), "tp2 pp2": (2, 2, 1, False),
+           "cp2": (1, 1, 2, False)}  # (tp, pp, cp, sp) on 4 ranks
+
+
+def tiny_deepseek_v3(seed: int = 0, **overrides):
+    """A random transformers DeepseekV3ForCausalLM (no download), dense layers."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12,
+              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=4,
+              max_position_embeddings=32, rope_parameters=YARN, tie_word_embeddings=False)
+    return random_hf_model(DeepseekV3ForCausalLM, DeepseekV3Config(**{**kw, **overrides}),
+                           seed)
+
+
+def mtp_weights(config) -> dict[str, torch.Tensor]:
+    """Random full weights of the megalite model's `mtp.` parameters (norms near 1)."""
+    generator = torch.Generator().manual_seed(5)
+    out = {}
+    for name, param in GPTModel(config, device="meta").named_parameters():
+        if name.startswith("mtp."):
+            noise = torch.randn(param.shape, generator=generator)
+            out[name] = 1 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise
+    return out
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _mtp_blocks(hf, config, weights: dict) -> list:
+    """Per depth: transformers' decoder layer holding the MTP block's weights."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+    one_layer = dataclasses.replace(config, num_layers=1)
+    blocks = []
+    for depth in range(config.mtp_num_layers or 0):
+        prefix = f"mtp.layers.{depth}.layer."
+        ours = {"encoder.layers.0." + n[len(prefix):]: w for n, w in weights.items()
+                if n.startswith(prefix)}
+        block = DeepseekV3DecoderLayer(hf.config, 0)
+        block.load_state_dict({n.removeprefix("model.layers.0."): w for n, w in convert_layers(
+            ours, one_layer, to_hf=True, interleave=hf.config.rope_interleave).items()})
+        blocks.append(block)
+    return blocks
+
+
+def reference(hf, config, weights: dict, tokens: torch.Tensor) -> dict:
+    """Main and MTP losses of tokens [b, s + 1] and the grads of main + factor x MTP:
+    transformers' names mapped to megalite's, and the MTP weights' own."""
+    inputs, labels = tokens[:, :-1].cpu(), tokens[:, 1:].cpu()
+    b, s = inputs.shape
+    leaves = {n: w.clone().requires_grad_() for n, w in weights.items()}
+    blocks = _mtp_blocks(hf, config, weights)
+    captured = {}
+    hook = hf.model.norm.register_forward_hook(lambda m, args, out: captured.update(h=args[0]))
+    logits = hf(input_ids=inputs).logits
+    hook.remove()
+    ce = torch.nn.functional.cross_entropy
+    main = ce(logits.reshape(b * s, -1), labels.reshape(-1))
+    hidden, eps = captured["h"], hf.config.rms_norm_eps
+    causal = torch.full((s, s), float("-inf")).triu(1)[None, None]
+    positions = torch.arange(s)[None]
+    losses = []
+    for depth, block in enumerate(blocks, start=1):
+        p = f"mtp.layers.{depth - 1}."
+        embedded = hf.model.embed_tokens(inputs.roll(-depth, dims=1))
+        combined = torch.cat([_rms(embedded, leaves[p + "enorm.weight"], eps),
+                              _rms(hidden, leaves[p + "hnorm.weight"], eps)], dim=-1)
+        x = combined @ leaves[p + "eh_proj"].t()
+        hidden = block(x, attention_mask=causal,
+                       position_embeddings=hf.model.rotary_emb(x, positions))
+        depth_logits = hf.lm_head(_rms(hidden, leaves[p + "final_layernorm.weight"], eps))
+        losses.append(ce(depth_logits[:, :s - depth].reshape(-1, VOCAB),
+                         labels.roll(-depth, dims=1)[:, :s - depth].reshape(-1)))
+    mtp = torch.stack(losses).mean() if losses else torch.zeros(())
+    (main + MTP_FACTOR * mtp).backward()
+    grads = deepseek_v3_to_megalite({n: p.grad for n, p in hf.named_parameters()}, config,
+                                    hf.config.rope_interleave)
+    grads.update({n: w.grad for n, w in leaves.items()})
+    for depth, block in enumerate(blocks):
+        block_grads = convert_layers({f"model.layers.0.{n}": p.grad
+                                      for n, p in block.named_parameters()},
+                                     dataclasses.replace(config, num_layers=1), to_hf=False,
+                                     interleave=hf.config.rope_interleave)
+        grads.update({f"mtp.layers.{depth}.layer." + n.removeprefix("encoder.layers.0."): g
+                      for n, g in block_grads.items()})
+    hf.zero_grad()
+    return {"loss": main.item(), "mtp loss": mtp.item(), "grads": grads}
+
+
+def _layout_errors(layouts: dict) -> dict:
+    initialize_model_parallel(1, 1)  # mtp_weights builds a (meta) model of full shapes
+    hf = tiny_deepseek_v3()
+    with_mtp = dataclasses.replace(deepseek_v3_config(hf.config), mtp_num_layers=2,
+                                   mtp_loss_scaling_factor=MTP_FACTOR)
+    all_mtp = mtp_weights(with_mtp)
+    out = {}
+    for name, (tp, pp, cp, sp) in layouts.items():
+        config = dataclasses.replace(with_mtp, mtp_num_layers=None) if cp > 1 else with_mtp
+        mtp = all_mtp if config.mtp_num_layers else {}
+        full = deepseek_v3_to_megalite(hf.state_dict(), config) | mtp
+        got = parallel_step(config, tp, pp, cp, sp,
+                            load=lambda chunks: load_full_state_dict(chunks, full))
+        dp = torch.distributed.get_world_size() // (tp * pp * cp)
+        want = reference(hf, config, mtp, global_batch(dp))
+        errors = {"loss": abs(got["loss"] - want["loss"]) / want["loss"],
+                  "grad": max(rel_err(g, want["grads"][n]) for n, g in got["grads"].items()),
+                  "unchecked": sorted(set(got["grads"]) - set(want["grads"])),
+                  "partial grads agree": got["tp partial grads agree"]}
+        if config.mtp_num_layers:
+            errors["mtp loss"] = abs(got["mtp loss"] - want["mtp loss"]) / want["mtp loss"]
+        out[name] = errors
+    return out
+
+
+def _generation() -> dict:
+    """Greedy tokens from the compressed cache vs full forwards, and the cache's bytes."""
+    from megalite.inference.generation import BatchDecoder
+    initialize_model_parallel(1, 1)
+    hf = tiny_deepseek_v3()
+    config = deepseek_v3_config(hf.config)
+    model = GPTModel(config, device=current_device()).eval()
+    load_full_state_dict(model, deepseek_v3_to_megalite(hf.state_dict(), config))
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    decoder, cached = BatchDecoder(model, prompt.tolist(), 8), []
+    logits = decoder.prefill()
+    for _ in range(8):
+        cached.append(logits.argmax(-1))
+        logits = decoder.decode(cached[-1])
+    full = prompt.to(current_device())
+    with torch.no_grad():
+        for _ in range(8):
+            full = torch.cat([full, model(full)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return {"cached": torch.stack(cached, 1).cpu(), "full": full[:, 5:].cpu(),
+            "bytes per token": decoder.cache.bytes_per_token()}
+
+
+def test_deepseek_v3_one_rank_matches_transformers_and_generates_from_the_latent_cache():
+    errors, generated = run_on_ranks(1, _one_rank)[0]
+    e = errors["one rank"]
+    assert e["loss"] < TOL and e["mtp loss"] < TOL and e["grad"] < TOL, e
+    assert not e["unchecked"], e
+    assert torch.equal(generated["cached"], generated["full"]), generated
+    # latent (12) + RoPE key (4) fp32 values per token per layer, 4 layers
+    assert generated["bytes per token"] == 4 * (12 + 4) * 4, generated
+    print(errors, generated["bytes per token"])
+
+
+def _one_rank() -> tuple[dict, dict]:
+    return _layout_errors({"one rank": (1, 1, 1, False)}), _generation()
+
+
+def test_deepseek_v3_parallel_layouts_match_references():
+    results = run_on_ranks(4, _layout_errors, LAYOUTS)
+    for rank, per_rank in enumerate(results):
+        for name, e in per_rank.items():
+            assert e["loss"] < TOL and e["grad"] < TOL, (rank, name, e)
+            assert e.get("mtp loss", 0.0) < TOL and not e["unchecked"], (rank, name, e)
+            assert e["partial grads agree"], (rank, name, e)
+    print({name: {k: max(r[name][k] for r in results) for k in ("loss", "grad")}
+           for name in LAYOUTS})
+
+
+def test_mtp_with_context_parallelism_is_refused():
+    configs = parse_configs(["--max-position-embeddings", "32", "--seq-length", "16",
+                             "--cp", "2", "--mtp-num-layers", "1", "--attention-dropout", "0"])
+    with pytest.raises(ValueError, match="--mtp-num-layers needs --context-parallel-size 1"):
+        RunLayout.from_configs(configs, 2)
