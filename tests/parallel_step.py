@@ -42,12 +42,13 @@ def global_batch(dp: int, vocab: int = VOCAB) -> torch.Tensor:
 
 
 def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
-                  vpp: int | None = None, load=None) -> dict:
+                  vpp: int | None = None, load=None, ep: int = 1) -> dict:
     """Mean loss over all tokens of the global batch, the grads of this rank's parameters
     (full over TP, by name), and whether the TP-partial replicated grads agree over TP (and
     the multi-token-prediction loss, with --mtp-num-layers).
     `load(chunks)` fills the weights (default: megalite's seeded init)."""
-    initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp)
+    initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp,
+                              expert_model_parallel_size=ep)
     model_parallel_seed(SEED, ps.get_tensor_model_parallel_rank(),
                         ps.get_pipeline_model_parallel_rank())
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

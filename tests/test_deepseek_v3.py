@@ -21,7 +21,7 @@ from megalite.device import current_device
 from megalite.hf.deepseek_v3 import convert_layers, deepseek_v3_config, deepseek_v3_to_megalite
 from megalite.layout import RunLayout
 from megalite.models import GPTModel
-from megalite.models.sharding import load_full_state_dict
+from megalite.models.sharding import full_names, load_full_state_dict, persistent_buffers
 from megalite.mpu import initialize_model_parallel
 from tests.multirank import run_on_ranks
 from tests.parallel_step import VOCAB, global_batch, parallel_step
@@ -32,29 +32,42 @@ MTP_FACTOR = 0.3
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
         "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
         "mscale": 1.0, "mscale_all_dim": 0.8}
-LAYOUTS = {"tp2 sp": (2, 1, 1, True), "pp2": (1, 2, 1, False), "tp2 pp2": (2, 2, 1, False),
-           "cp2": (1, 1, 2, False)}  # (tp, pp, cp, sp) on 4 ranks
+LAYOUTS = {"ep2 x tp2 sp": (2, 1, 1, True, 2), "pp2 ep2": (1, 2, 1, False, 2),
+           "tp2 pp2": (2, 2, 1, False, 1), "cp2 ep2": (1, 1, 2, False, 2)}
+# (tp, pp, cp, sp, ep) on 4 ranks
+LAST, HF_LAST = "encoder.layers.3.", "model.layers.3."  # the last layer (MoE): MTP blocks' kind
 
 
 def tiny_deepseek_v3(seed: int = 0, **overrides):
-    """A random transformers DeepseekV3ForCausalLM (no download), dense layers."""
+    """A random transformers DeepseekV3ForCausalLM (no download): 2 dense then 2 MoE layers
+    of 8 routed experts (top-2 inside the best of 2 groups, scaled by 2.5) and one shared
+    expert, with a selection bias that changes some choices."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12,
-              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=4,
+              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=2,
+              n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=16,
+              num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5,
               max_position_embeddings=32, rope_parameters=YARN, tie_word_embeddings=False)
-    return random_hf_model(DeepseekV3ForCausalLM, DeepseekV3Config(**{**kw, **overrides}),
-                           seed)
+    model = random_hf_model(DeepseekV3ForCausalLM, DeepseekV3Config(**{**kw, **overrides}),
+                            seed)
+    with torch.no_grad():
+        for name, bias in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                bias.copy_(torch.linspace(-0.1, 0.1, bias.numel()).flip(0))
+    return model
 
 
 def mtp_weights(config) -> dict[str, torch.Tensor]:
     """Random full weights of the megalite model's `mtp.` parameters (norms near 1)."""
     generator = torch.Generator().manual_seed(5)
-    out = {}
-    for name, param in GPTModel(config, device="meta").named_parameters():
-        if name.startswith("mtp."):
-            noise = torch.randn(param.shape, generator=generator)
-            out[name] = 1 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise
+    model, out = GPTModel(config, device="meta"), {}
+    for name, param in [*model.named_parameters(), *persistent_buffers(model)]:
+        for key in full_names(name, param):
+            if key.startswith("mtp."):
+                noise = torch.randn(param.shape[1:] if key != name else param.shape,
+                                    generator=generator)
+                out[key] = 1 + 0.1 * noise if key.endswith("norm.weight") else 0.05 * noise
     return out
 
 
@@ -63,17 +76,16 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _mtp_blocks(hf, config, weights: dict) -> list:
-    """Per depth: transformers' decoder layer holding the MTP block's weights."""
+    """Per depth: transformers' decoder layer of the last layer's kind (MoE) holding the MTP
+    block's weights."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-    one_layer = dataclasses.replace(config, num_layers=1)
     blocks = []
     for depth in range(config.mtp_num_layers or 0):
-        prefix = f"mtp.layers.{depth}.layer."
-        ours = {"encoder.layers.0." + n[len(prefix):]: w for n, w in weights.items()
-                if n.startswith(prefix)}
-        block = DeepseekV3DecoderLayer(hf.config, 0)
-        block.load_state_dict({n.removeprefix("model.layers.0."): w for n, w in convert_layers(
-            ours, one_layer, to_hf=True, interleave=hf.config.rope_interleave).items()})
+        ours = {LAST + n.removeprefix(f"mtp.layers.{depth}.layer."): w
+                for n, w in weights.items() if n.startswith(f"mtp.layers.{depth}.layer.")}
+        block = DeepseekV3DecoderLayer(hf.config, config.num_layers - 1)
+        block.load_state_dict({n.removeprefix(HF_LAST): w for n, w in convert_layers(
+            ours, config, to_hf=True, interleave=hf.config.rope_interleave).items()})
         blocks.append(block)
     return blocks
 
@@ -108,16 +120,16 @@ def reference(hf, config, weights: dict, tokens: torch.Tensor) -> dict:
                          labels.roll(-depth, dims=1)[:, :s - depth].reshape(-1)))
     mtp = torch.stack(losses).mean() if losses else torch.zeros(())
     (main + MTP_FACTOR * mtp).backward()
-    grads = deepseek_v3_to_megalite({n: p.grad for n, p in hf.named_parameters()}, config,
+    grads = deepseek_v3_to_megalite({n: p.grad for n, p in hf.named_parameters()}
+                                    | dict(hf.named_buffers()), config,
                                     hf.config.rope_interleave)
     grads.update({n: w.grad for n, w in leaves.items()})
     for depth, block in enumerate(blocks):
-        block_grads = convert_layers({f"model.layers.0.{n}": p.grad
-                                      for n, p in block.named_parameters()},
-                                     dataclasses.replace(config, num_layers=1), to_hf=False,
-                                     interleave=hf.config.rope_interleave)
-        grads.update({f"mtp.layers.{depth}.layer." + n.removeprefix("encoder.layers.0."): g
-                      for n, g in block_grads.items()})
+        block_grads = convert_layers({HF_LAST + n: p.grad for n, p in block.named_parameters()}
+                                     | {HF_LAST + n: b for n, b in block.named_buffers()},
+                                     config, to_hf=False, interleave=hf.config.rope_interleave)
+        grads.update({f"mtp.layers.{depth}.layer." + n.removeprefix(LAST): g
+                      for n, g in block_grads.items() if not n.endswith("expert_bias")})
     hf.zero_grad()
     return {"loss": main.item(), "mtp loss": mtp.item(), "grads": grads}
 
@@ -129,11 +141,11 @@ def _layout_errors(layouts: dict) -> dict:
                                    mtp_loss_scaling_factor=MTP_FACTOR)
     all_mtp = mtp_weights(with_mtp)
     out = {}
-    for name, (tp, pp, cp, sp) in layouts.items():
+    for name, (tp, pp, cp, sp, ep) in layouts.items():
         config = dataclasses.replace(with_mtp, mtp_num_layers=None) if cp > 1 else with_mtp
         mtp = all_mtp if config.mtp_num_layers else {}
         full = deepseek_v3_to_megalite(hf.state_dict(), config) | mtp
-        got = parallel_step(config, tp, pp, cp, sp,
+        got = parallel_step(config, tp, pp, cp, sp, ep=ep,
                             load=lambda chunks: load_full_state_dict(chunks, full))
         dp = torch.distributed.get_world_size() // (tp * pp * cp)
         want = reference(hf, config, mtp, global_batch(dp))
@@ -181,7 +193,7 @@ def test_deepseek_v3_one_rank_matches_transformers_and_generates_from_the_latent
 
 
 def _one_rank() -> tuple[dict, dict]:
-    return _layout_errors({"one rank": (1, 1, 1, False)}), _generation()
+    return _layout_errors({"one rank": (1, 1, 1, False, 1)}), _generation()
 
 
 def test_deepseek_v3_parallel_layouts_match_references():

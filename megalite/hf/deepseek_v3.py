@@ -7,7 +7,11 @@ linear_kv_up_proj, o_proj -> linear_proj. transformers' `rope_interleave=True` (
 checkpoints) rotates the RoPE dims as interleaved pairs; megalite rotates half-splits, so the
 RoPE rows of q_b_proj (per head) and of kv_a_proj_with_mqa are permuted to [even; odd] on the
 way in and back on the way out (the exported config keeps rope_interleave=True). Dense MLPs,
-norms, embedding and head map as for Llama. transformers has no multi-token-prediction
+norms, embedding and head map as for Llama; an MoE layer's gate.weight and
+e_score_correction_bias are the router's weight and expert_bias, the fused experts
+gate_up_proj [E, 2 ffn, h] / down_proj [E, h, ffn] megalite's per-expert SwiGLU weights, and
+shared_experts a SwiGLU MLP (`first_k_dense_replace` is the --moe-layer-freq pattern
+[0]*k+[1]*(L-k)). transformers has no multi-token-prediction
 modules: exporting drops megalite's `mtp.` weights, importing starts without them.
 """
 import torch
@@ -23,7 +27,6 @@ _LAYER_MAP = {  # megalite suffix -> transformers suffix (same layout)
     "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
     "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
 }
 _ROPE_ROWS = {  # megalite suffix -> transformers suffix, rows [.., (nope, rope)] per head
     "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
@@ -45,9 +48,6 @@ def deepseek_v3_config(hf_config) -> ModelConfig:
         (f"hidden_act={hf_config.hidden_act!r} (megalite: silu)", hf_config.hidden_act != "silu"),
         (f"rms_norm_eps={hf_config.rms_norm_eps} (the latent norms use {LATENT_NORM_EPS})",
          hf_config.rms_norm_eps != LATENT_NORM_EPS),
-        (f"first_k_dense_replace={hf_config.first_k_dense_replace} < num_hidden_layers="
-         f"{hf_config.num_hidden_layers} (MoE layers need the DeepSeek-V3 router)",
-         hf_config.first_k_dense_replace < hf_config.num_hidden_layers),
         (f"num_key_value_heads={hf_config.num_key_value_heads} (MLA: one per head)",
          hf_config.num_key_value_heads != hf_config.num_attention_heads)) if bad]
     if problems:
@@ -61,6 +61,7 @@ def deepseek_v3_config(hf_config) -> ModelConfig:
                     mscale=rope.get("mscale") or 0.0, mscale_all_dim=rope.get("mscale_all_dim")
                     or 0.0)
     return ModelConfig(
+        **_moe_fields(hf_config),
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         num_attention_heads=hf_config.num_attention_heads,
         ffn_hidden_size=hf_config.intermediate_size, vocab_size=hf_config.vocab_size,
@@ -76,6 +77,26 @@ def deepseek_v3_config(hf_config) -> ModelConfig:
         init_method_std=hf_config.initializer_range)
 
 
+def _moe_fields(hf_config) -> dict:
+    """The MoE flags of a DeepseekV3Config (none when every layer is dense): sigmoid scores
+    with the selection bias, group-limited top-k, the routed scaling factor, one shared
+    expert of n_shared_experts x moe_intermediate_size, the first k layers dense."""
+    layers, dense = hf_config.num_hidden_layers, hf_config.first_k_dense_replace
+    if dense >= layers:
+        return {}
+    groups = hf_config.n_group if hf_config.n_group and hf_config.n_group > 1 else None
+    return dict(
+        num_experts=hf_config.n_routed_experts, moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size
+        * hf_config.n_shared_experts if hf_config.n_shared_experts else None,
+        moe_layer_freq=f"[0]*{dense}+[1]*{layers - dense}" if dense else 1,
+        moe_router_score_function="sigmoid", moe_router_topk_renorm=hf_config.norm_topk_prob,
+        moe_router_enable_expert_bias=True, moe_router_num_groups=groups,
+        moe_router_group_topk=hf_config.topk_group if groups else None,
+        moe_router_topk_scaling_factor=hf_config.routed_scaling_factor)
+
+
 def check_deepseek_v3_spec(config: ModelConfig) -> None:
     """One ValueError when a megalite config has no DeepSeek-V3 equivalent."""
     problems = [flag for flag, bad in (
@@ -83,7 +104,13 @@ def check_deepseek_v3_spec(config: ModelConfig) -> None:
         ("--normalization RMSNorm", config.normalization != "RMSNorm"),
         ("--swiglu", not config.swiglu), ("--disable-bias-linear", not config.disable_bias_linear),
         (f"--norm-epsilon {LATENT_NORM_EPS}", config.norm_epsilon != LATENT_NORM_EPS),
-        ("no --num-experts (dense layers)", config.num_experts is not None),
+        ("MoE layers: --moe-router-score-function sigmoid, --moe-router-enable-expert-bias, "
+         "no --moe-shared-expert-gate or capacity factor, dense layers first",
+         config.num_experts is not None and (
+             config.moe_router_score_function != "sigmoid"
+             or not config.moe_router_enable_expert_bias or config.moe_shared_expert_gate
+             or config.moe_expert_capacity_factor is not None
+             or list(config.moe_layers) != sorted(config.moe_layers))),
         ("--causal, no --post-layernorm", not config.causal or config.post_layernorm)) if bad]
     if problems:
         raise ValueError(f"not a DeepSeek-V3 config: needs {', '.join(problems)}")
@@ -99,15 +126,33 @@ def to_deepseek_v3_config(config: ModelConfig):
                     original_max_position_embeddings=config.rope_original_max_position_embeddings,
                     beta_fast=config.beta_fast, beta_slow=config.beta_slow, mscale=config.mscale,
                     mscale_all_dim=config.mscale_all_dim)
+    moe = {}
+    if config.num_experts is not None:
+        shared = config.moe_shared_expert_intermediate_size or 0
+        if shared % config.moe_ffn_hidden_size:
+            raise ValueError(f"not a DeepSeek-V3 config: --moe-shared-expert-intermediate-size "
+                             f"({shared}) must be a multiple of --moe-ffn-hidden-size "
+                             f"({config.moe_ffn_hidden_size})")
+        moe = dict(n_routed_experts=config.num_experts,
+                   num_experts_per_tok=config.moe_router_topk,
+                   moe_intermediate_size=config.moe_ffn_hidden_size,
+                   n_shared_experts=shared // config.moe_ffn_hidden_size,
+                   first_k_dense_replace=config.moe_layers.index(True),
+                   n_group=config.moe_router_num_groups or 1,
+                   topk_group=config.moe_router_group_topk or 1,
+                   norm_topk_prob=config.moe_router_topk_renorm,
+                   routed_scaling_factor=config.moe_router_topk_scaling_factor or 1.0)
+    dense = dict(first_k_dense_replace=config.num_layers, n_routed_experts=1,
+                 num_experts_per_tok=1, n_group=1, topk_group=1)
     return DeepseekV3Config(
+        **(moe or dense),
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank or None,
         kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_head_dim,
         qk_rope_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim,
-        first_k_dense_replace=config.num_layers, n_routed_experts=1, num_experts_per_tok=1,
-        n_group=1, topk_group=1, max_position_embeddings=config.max_position_embeddings,
+        max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.norm_epsilon, rope_parameters=rope, rope_interleave=True,
         tie_word_embeddings=not config.untie_embeddings_and_output_weights,
         attention_bias=False, attention_dropout=config.attention_dropout,
@@ -144,12 +189,55 @@ def convert_layers(state: dict[str, torch.Tensor], config: ModelConfig, to_hf: b
                 out[dst + b] = reorder_rope_rows(state[src + a], blocks,
                                                  config.qk_pos_emb_head_dim, to_hf) \
                     if interleave else state[src + a]
-        if to_hf and src + "mlp.dense_h_to_4h.weight" in state:
-            gate, up = state[src + "mlp.dense_h_to_4h.weight"].chunk(2)
-            out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
-        elif not to_hf and src + "mlp.gate_proj.weight" in state:
-            out[dst + "mlp.dense_h_to_4h.weight"] = torch.cat(
-                [state[src + "mlp.gate_proj.weight"], state[src + "mlp.up_proj.weight"]])
+        convert_mlp = _moe_to_hf if to_hf else _moe_from_hf
+        out.update(convert_mlp(state, src + "mlp.", dst + "mlp.", config.num_experts or 0))
+    return out
+
+
+def _swiglu_to_hf(state: dict, src: str, dst: str) -> dict:
+    """megalite `{src}dense_h_to_4h` [gate; up] / `dense_4h_to_h` -> transformers'
+    `{dst}gate_proj` / `up_proj` / `down_proj` (none if absent)."""
+    if src + "dense_h_to_4h.weight" not in state:
+        return {}
+    gate, up = state[src + "dense_h_to_4h.weight"].chunk(2)
+    return {dst + "gate_proj.weight": gate, dst + "up_proj.weight": up,
+            dst + "down_proj.weight": state[src + "dense_4h_to_h.weight"]}
+
+
+def _swiglu_from_hf(state: dict, src: str, dst: str) -> dict:
+    if src + "gate_proj.weight" not in state:
+        return {}
+    return {dst + "dense_h_to_4h.weight": torch.cat([state[src + "gate_proj.weight"],
+                                                      state[src + "up_proj.weight"]]),
+            dst + "dense_4h_to_h.weight": state[src + "down_proj.weight"]}
+
+
+def _moe_to_hf(state: dict, src: str, dst: str, experts: int) -> dict:
+    """One layer's MLP (dense, or router + bias + experts + shared expert) to transformers'."""
+    out = _swiglu_to_hf(state, src, dst) | _swiglu_to_hf(state, src + "shared_experts.",
+                                                        dst + "shared_experts.")
+    if src + "router.weight" in state:
+        out[dst + "gate.weight"] = state[src + "router.weight"]
+        out[dst + "gate.e_score_correction_bias"] = state[src + "router.expert_bias"]
+        names = [f"{src}local_experts.{e}." for e in range(experts)]
+        out[dst + "experts.gate_up_proj"] = torch.stack([state[n + "dense_h_to_4h.weight"]
+                                                         for n in names])
+        out[dst + "experts.down_proj"] = torch.stack([state[n + "dense_4h_to_h.weight"]
+                                                      for n in names])
+    return out
+
+
+def _moe_from_hf(state: dict, src: str, dst: str, experts: int) -> dict:
+    out = _swiglu_from_hf(state, src, dst) | _swiglu_from_hf(state, src + "shared_experts.",
+                                                            dst + "shared_experts.")
+    if src + "gate.weight" in state:
+        out[dst + "router.weight"] = state[src + "gate.weight"]
+        out[dst + "router.expert_bias"] = state[src + "gate.e_score_correction_bias"]
+        for e in range(experts):
+            out[f"{dst}local_experts.{e}.dense_h_to_4h.weight"] = \
+                state[src + "experts.gate_up_proj"][e]
+            out[f"{dst}local_experts.{e}.dense_4h_to_h.weight"] = \
+                state[src + "experts.down_proj"][e]
     return out
 
 
