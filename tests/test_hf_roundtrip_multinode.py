@@ -16,6 +16,7 @@ from megalite.training import build_model, setup_parallel
 from tests.gpt_run import make_dataset, tiny_args
 from tests.multirank import run_on_ranks
 from tests.reference import tiny_gpt2
+from tests.test_deepseek_v3 import tiny_deepseek_v3
 from tests.test_llama_hf_parity import tiny_llama
 from tests.test_moe_hf_parity import tiny_moe
 from tools import convert_checkpoint
@@ -51,12 +52,15 @@ def _tiny_hf(model_type: str):
         return tiny_gpt2(vocab=203, layers=4)
     if model_type == "llama":  # GQA with 2 groups, untied head
         return tiny_llama(num_hidden_layers=4, num_key_value_heads=2)
+    if model_type == "deepseek_v3":  # MLA, 2 dense + 2 MoE layers, interleaved RoPE rows
+        return tiny_deepseek_v3(vocab_size=203)
     return tiny_moe(model_type, num_hidden_layers=4)  # 8 experts: 4 per EP rank
 
 
 @pytest.mark.parametrize("model_type,layout", [
     ("gpt", ["--tp", "2", "--pp", "2"]), ("llama", ["--tp", "2", "--pp", "2"]),
-    ("mixtral", ["--ep", "2", "--pp", "2"]), ("qwen2_moe", ["--ep", "2", "--pp", "2"])])
+    ("mixtral", ["--ep", "2", "--pp", "2"]), ("qwen2_moe", ["--ep", "2", "--pp", "2"]),
+    ("deepseek_v3", ["--tp", "2", "--pp", "2"])])
 def test_hf_to_megalite_sharded_to_hf_gives_identical_logits(tmp_path, model_type, layout):
     """HF -> megalite (TP2 x PP2, or EP2 x PP2 for MoE) -> HF: bit-identical logits."""
     from transformers import AutoModelForCausalLM

@@ -10,7 +10,9 @@ gpt (GPT-2), llama (LlamaForCausalLM directory, or a llama GGUF file as --input,
 SmolLM2 from `megalite.hf.smollm2_gguf_path()`), bert (BertModel,
 BertForSequenceClassification or BertForMaskedLM, picked by the head the weights have),
 mixtral or qwen2_moe (MixtralForCausalLM / Qwen2MoeForCausalLM directories; experts are
-stored by global index, so a checkpoint loads under any expert-parallel size too). A weight
+stored by global index, so a checkpoint loads under any expert-parallel size too),
+deepseek_v3 (DeepseekV3ForCausalLM: multi-head latent attention, dense then MoE layers; its
+multi-token-prediction modules are not transformers weights: exporting drops them). A weight
 the model lacks or does not use, or a --target-tp/--target-pp the model cannot be split into,
 is one error line.
 megalite checkpoints hold full tensors per pipeline stage, so any of them loads under any
@@ -29,7 +31,7 @@ from megalite import checkpointing  # noqa: E402
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
 from megalite.data.tokenizers import Tokenizer, build_tokenizer  # noqa: E402
-from megalite.hf import bert, gguf, gpt2, llama, moe  # noqa: E402
+from megalite.hf import bert, deepseek_v3, gguf, gpt2, llama, moe  # noqa: E402
 from megalite.hf.families import check_weights, family_of_config, family_of_source  # noqa: E402
 from megalite.hf.tokenizer_io import export_tokenizer, source_tokenizer  # noqa: E402
 from megalite.layout import RunLayout  # noqa: E402
@@ -123,12 +125,26 @@ def write_moe(dst: str, full: State, config: ModelConfig, src: str) -> None:
     moe.save_moe_dir(dst, full, config)
 
 
+def read_deepseek_v3(src: str) -> tuple[ModelConfig, State]:
+    """A transformers DeepseekV3ForCausalLM directory (either RoPE layout)."""
+    from transformers import DeepseekV3ForCausalLM
+    hf = from_pretrained(DeepseekV3ForCausalLM, src)
+    config = deepseek_v3.deepseek_v3_config(hf.config)
+    return config, deepseek_v3.deepseek_v3_to_megalite(hf.state_dict(), config,
+                                                       hf.config.rope_interleave)
+
+
+def write_deepseek_v3(dst: str, full: State, config: ModelConfig, src: str) -> None:
+    deepseek_v3.save_deepseek_v3_dir(dst, full, config)
+
+
 MODEL_TYPES = {  # name -> (HF directory -> (config, full state), write full state as HF dir)
     "gpt": (read_gpt, write_gpt),
     "bert": (read_bert, write_bert),
     "llama": (read_llama, write_llama),
     "mixtral": (read_moe, write_moe),
     "qwen2_moe": (read_moe, write_moe),
+    "deepseek_v3": (read_deepseek_v3, write_deepseek_v3),
 }
 
 

@@ -14,7 +14,7 @@ from megalite.models.sharding import full_names, local_value, persistent_buffers
 
 # transformers' config.json "model_type" -> family
 FAMILIES = {"gpt2": "gpt", "llama": "llama", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
-            "bert": "bert"}
+            "bert": "bert", "deepseek_v3": "deepseek_v3"}
 _BERT_OPTIONAL = ("classifier.", "lm_head.", "pooler.")  # heads a BERT checkpoint may lack
 
 
@@ -42,6 +42,8 @@ def family_of_config(config: ModelConfig) -> str:
     """The family a megalite model config exports as."""
     if not config.causal:
         return "bert"
+    if config.multi_latent_attention:
+        return "deepseek_v3"
     if config.num_experts is not None:
         return moe_family(config)
     return "llama" if config.normalization == "RMSNorm" else "gpt"
