@@ -23,6 +23,7 @@ from megalite.layout import RunLayout
 from megalite.models import GPTModel
 from megalite.models.sharding import full_names, load_full_state_dict, persistent_buffers
 from megalite.mpu import initialize_model_parallel
+from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 from tests.parallel_step import VOCAB, global_batch, parallel_step
 from tests.reference import rel_err, random_hf_model
@@ -212,3 +213,36 @@ def test_mtp_with_context_parallelism_is_refused():
                              "--cp", "2", "--mtp-num-layers", "1", "--attention-dropout", "0"])
     with pytest.raises(ValueError, match="--mtp-num-layers needs --context-parallel-size 1"):
         RunLayout.from_configs(configs, 2)
+
+
+DEEPSEEK_FLAGS = [
+    "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--position-embedding-type", "rope",
+    "--swiglu", "--ffn-hidden-size", "48", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--multi-latent-attention", "--q-lora-rank", "16",
+    "--kv-lora-rank", "12", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+    "--v-head-dim", "6", "--rotary-scaling-factor", "4", "--rope-original-max-position-embeddings",
+    "8", "--mscale-all-dim", "0.8", "--num-experts", "8", "--moe-router-topk", "2",
+    "--moe-ffn-hidden-size", "16", "--moe-shared-expert-intermediate-size", "16",
+    "--moe-layer-freq", "[0]*2+[1]*2", "--moe-router-score-function", "sigmoid",
+    "--moe-router-topk-renorm", "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate", "1e-2", "--moe-router-num-groups", "2",
+    "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
+    "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3",
+    "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def test_pretrain_gpt_deepseek_v3_tp2_pp2_dp2_ep2_has_the_single_process_loss_curve(tmp_path):
+    """pretrain_gpt.py with the DeepSeek-V3 flags (MLA, YaRN, 2 dense + 2 MoE layers with
+    the selection bias updated each step, group-limited routing, MTP): the loss curve at
+    TP2 x PP2 x DP2 x EP2 with SP (8 ranks) equals one process's (fp32; summation order
+    differs, so 1e-5 relative)."""
+    prefix = make_dataset(str(tmp_path))
+    single = run_on_ranks(1, train, tiny_args(prefix, f"{tmp_path}/single", 3,
+                                              *DEEPSEEK_FLAGS))[0]
+    layout = ["--tp", "2", "--sequence-parallel", "--pp", "2", "--dp", "2", "--ep", "2"]
+    parallel = run_on_ranks(8, train, tiny_args(prefix, f"{tmp_path}/parallel", 3,
+                                                *DEEPSEEK_FLAGS, *layout))[0]
+    assert sorted(single) == sorted(parallel) == [1, 2, 3]
+    for it in single:
+        assert abs(parallel[it] - single[it]) / single[it] < TOL, (single, parallel)
+    print("DeepSeek-V3 loss curve single vs", " ".join(layout), single, parallel)
