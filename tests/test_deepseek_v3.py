@@ -55,7 +55,7 @@ def tiny_deepseek_v3(seed: int = 0, **overrides):
     with torch.no_grad():
         for name, bias in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                bias.copy_(torch.linspace(-0.1, 0.1, bias.numel()).flip(0))
+                bias.copy_(torch.linspace(-0.1, 0.1, bias.numel(), device="cpu").flip(0))
     return model
 
 
@@ -67,7 +67,7 @@ def mtp_weights(config) -> dict[str, torch.Tensor]:
         for key in full_names(name, param):
             if key.startswith("mtp."):
                 noise = torch.randn(param.shape[1:] if key != name else param.shape,
-                                    generator=generator)
+                                    generator=generator, device="cpu")
                 out[key] = 1 + 0.1 * noise if key.endswith("norm.weight") else 0.05 * noise
     return out
 
@@ -105,8 +105,8 @@ def reference(hf, config, weights: dict, tokens: torch.Tensor) -> dict:
     ce = torch.nn.functional.cross_entropy
     main = ce(logits.reshape(b * s, -1), labels.reshape(-1))
     hidden, eps = captured["h"], hf.config.rms_norm_eps
-    causal = torch.full((s, s), float("-inf")).triu(1)[None, None]
-    positions = torch.arange(s)[None]
+    causal = torch.full((s, s), float("-inf"), device="cpu").triu(1)[None, None]
+    positions = torch.arange(s, device="cpu")[None]
     losses = []
     for depth, block in enumerate(blocks, start=1):
         p = f"mtp.layers.{depth - 1}."
@@ -119,7 +119,7 @@ def reference(hf, config, weights: dict, tokens: torch.Tensor) -> dict:
         depth_logits = hf.lm_head(_rms(hidden, leaves[p + "final_layernorm.weight"], eps))
         losses.append(ce(depth_logits[:, :s - depth].reshape(-1, VOCAB),
                          labels.roll(-depth, dims=1)[:, :s - depth].reshape(-1)))
-    mtp = torch.stack(losses).mean() if losses else torch.zeros(())
+    mtp = torch.stack(losses).mean() if losses else torch.zeros((), device="cpu")
     (main + MTP_FACTOR * mtp).backward()
     grads = deepseek_v3_to_megalite({n: p.grad for n, p in hf.named_parameters()}
                                     | dict(hf.named_buffers()), config,
@@ -168,7 +168,8 @@ def _generation() -> dict:
     config = deepseek_v3_config(hf.config)
     model = GPTModel(config, device=current_device()).eval()
     load_full_state_dict(model, deepseek_v3_to_megalite(hf.state_dict(), config))
-    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3),
+                           device="cpu")
     decoder, cached = BatchDecoder(model, prompt.tolist(), 8), []
     logits = decoder.prefill()
     for _ in range(8):
