@@ -209,6 +209,40 @@ def test_deepseek_v3_parallel_layouts_match_references():
            for name in LAYOUTS})
 
 
+MLA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope",
+       "--multi-latent-attention"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([*MLA, "--qk-pos-emb-head-dim", "5"], "an even --qk-pos-emb-head-dim (got 5)"),
+    (["--multi-latent-attention"], "--multi-latent-attention needs --position-embedding-type "
+                                   "rope"),
+    ([*MLA, "--group-query-attention", "--num-query-groups", "2"],
+     "--multi-latent-attention excludes --group-query-attention"),
+    ([*MLA, "--kv-lora-rank", "0"], "--kv-lora-rank must be positive"),
+    ([*MLA, "--rotary-scaling-factor", "4", "--use-rope-scaling"],
+     "--rotary-scaling-factor (YaRN) excludes --use-rope-scaling"),
+    (["--mtp-num-layers", "-1"], "--mtp-num-layers (-1) must be >= 0"),
+])
+def test_bad_mla_and_mtp_flags_fail_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_configs(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1], err
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(attention_bias=True), "unsupported DeepSeek-V3 config: attention_bias=True"),
+    (dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05 (the latent norms use 1e-06)"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
+     "rope_type='linear' (supported: default, yarn)")])
+def test_unsupported_transformers_configs_fail_with_one_line(overrides, message):
+    from transformers import DeepseekV3Config
+    with pytest.raises(ValueError) as error:
+        deepseek_v3_config(DeepseekV3Config(**overrides))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
 def test_mtp_with_context_parallelism_is_refused():
     configs = parse_configs(["--max-position-embeddings", "32", "--seq-length", "16",
                              "--cp", "2", "--mtp-num-layers", "1", "--attention-dropout", "0"])
