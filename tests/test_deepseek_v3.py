@@ -162,6 +162,7 @@ def _layout_errors(layouts: dict) -> dict:
 
 def _generation() -> dict:
     """Greedy tokens from the compressed cache vs full forwards, and the cache's bytes."""
+    from megalite.inference import GenerationStats, SamplingParams, generate
     from megalite.inference.generation import BatchDecoder
     initialize_model_parallel(1, 1)
     hf = tiny_deepseek_v3()
@@ -179,8 +180,10 @@ def _generation() -> dict:
     with torch.no_grad():
         for _ in range(8):
             full = torch.cat([full, model(full)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    stats = GenerationStats()
+    generate(model, prompt.tolist(), SamplingParams(2), stats=stats)
     return {"cached": torch.stack(cached, 1).cpu(), "full": full[:, 5:].cpu(),
-            "bytes per token": decoder.cache.bytes_per_token()}
+            "bytes per token": stats.kv_cache_bytes_per_token}
 
 
 def test_deepseek_v3_one_rank_matches_transformers_and_generates_from_the_latent_cache():

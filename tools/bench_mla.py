@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.device import current_device, init_distributed  # noqa: E402
 from megalite.inference import SamplingParams, generate  # noqa: E402
-from megalite.inference.generation import BatchDecoder, GenerationStats  # noqa: E402
+from megalite.inference.generation import GenerationStats  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
 from megalite.models.spec import TransformerSpec  # noqa: E402
 from megalite.mpu import initialize_model_parallel  # noqa: E402
@@ -54,19 +54,14 @@ def attention_params(config: ModelConfig) -> int:
     return spec.layer_params() - spec.mlp_params() - 2 * spec.norm_params(config.hidden_size)
 
 
-def decode_rate(model, prompts: list[list[int]], new: int, repeats: int) -> float:
+def decode(model, prompts: list[list[int]], new: int, repeats: int) -> tuple[float, int]:
+    """(decode tokens/s, best of `repeats`; KV-cache bytes per token)."""
     best = 0.0
     for _ in range(repeats):
         stats = GenerationStats()
         generate(model, prompts, SamplingParams(new), stats=stats)
         best = max(best, (stats.new_tokens - len(prompts)) / stats.decode_s)
-    return best
-
-
-def cache_bytes(model, prompts: list[list[int]]) -> int:
-    decoder = BatchDecoder(model, prompts, 1)
-    decoder.prefill()
-    return decoder.cache.bytes_per_token()
+    return best, stats.kv_cache_bytes_per_token
 
 
 def main() -> None:
@@ -103,9 +98,9 @@ def main() -> None:
                                 generator=torch.Generator().manual_seed(batch)).tolist()
         for name, (model, params, attention) in models.items():
             start = time.perf_counter()
-            rate = decode_rate(model, prompts, args.new_tokens, args.repeats)
+            rate, cache_bytes = decode(model, prompts, args.new_tokens, args.repeats)
             print(f"{name:>9} {params:>10,} {attention:>11,} {batch:>5} | "
-                  f"{cache_bytes(model, prompts):>14,} | {rate:>12.1f}"
+                  f"{cache_bytes:>14,} | {rate:>12.1f}"
                   f"   ({time.perf_counter() - start:.0f} s)", flush=True)
 
 

@@ -60,7 +60,7 @@ def run_batch(model, tokenizer, prompts: list[str], params: SamplingParams,
            f"({stats.prompt_tokens / max(stats.prefill_s, 1e-9):.1f} tokens/s); generation: "
            f"{stats.new_tokens} tokens in {stats.decode_s:.3f} s "
            f"({max(stats.new_tokens - len(prompts), 0) / max(stats.decode_s, 1e-9):.1f} "
-           f"tokens/s)")
+           f"tokens/s); KV cache {stats.kv_cache_bytes_per_token:,} bytes per token")
 
 
 def _next_prompt() -> str | None:

@@ -29,12 +29,15 @@ StopRule = Callable[[int, list[int]], bool]
 @dataclass
 class GenerationStats:
     """Filled in by `generate_steps`: prompt tokens (without padding) and prefill seconds,
-    new tokens (over all rows) and decode seconds."""
+    new tokens (over all rows) and decode seconds, and the bytes this rank's KV cache holds
+    per position of one sequence (all layers; multi-head latent attention: its latent and
+    RoPE key)."""
 
     prompt_tokens: int = 0
     prefill_s: float = 0.0
     new_tokens: int = 0
     decode_s: float = 0.0
+    kv_cache_bytes_per_token: int = 0
 
 
 def _model(model: nn.Module | list[nn.Module]) -> nn.Module:
@@ -168,6 +171,7 @@ def generate_steps(model: nn.Module | list[nn.Module], prompts: list[list[int]],
     finished = [False] * len(prompts)
     start = time.perf_counter()
     logits = decoder.prefill()
+    stats.kv_cache_bytes_per_token = decoder.cache.bytes_per_token()
     for t in range(max_new):
         chosen = torch.empty(len(prompts), dtype=torch.long, device=device)
         if logits is not None:
