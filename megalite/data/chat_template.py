@@ -59,12 +59,19 @@ def chat_template(tokenizer: Tokenizer) -> str:
 def render_chat(tokenizer: Tokenizer, messages: list[dict],
                 add_generation_prompt: bool = True) -> str:
     """The conversation as the template writes it; with `add_generation_prompt`, followed by
-    the opening of an assistant turn (what a model answers after). Checks `messages` first."""
+    the opening of an assistant turn (what a model answers after). Checks `messages` first;
+    a conversation the template itself refuses (e.g. roles not alternating) is a ValueError
+    too."""
+    from jinja2 import TemplateError
     check_messages(messages)
     template = chat_template(tokenizer)
-    return tokenizer.hf.apply_chat_template(
-        [{"role": m["role"], "content": m["content"]} for m in messages], chat_template=template,
-        tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        return tokenizer.hf.apply_chat_template(
+            [{"role": m["role"], "content": m["content"]} for m in messages],
+            chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except TemplateError as error:
+        raise ValueError(f"messages: the chat template of tokenizer {_name(tokenizer)} refuses "
+                         f"them ({error})") from None
 
 
 def chat_ids(tokenizer: Tokenizer, messages: list[dict],
