@@ -114,9 +114,11 @@ def main(argv=None) -> None:
     while (prompt := _next_prompt()) is not None:
         if not prompt.strip():
             continue
+        if not args.chat:
+            run_batch(model, tokenizer, [prompt], params, args.stop)
+            continue
         conversation.append({"role": "user", "content": prompt})
-        completions = run_batch(model, tokenizer, [prompt], params, args.stop,
-                                [conversation] if args.chat else None)
+        completions = run_batch(model, tokenizer, [prompt], params, args.stop, [conversation])
         conversation.append({"role": "assistant",
                              "content": completions[0].text if completions else ""})
 
