@@ -1,7 +1,9 @@
 """tools/serve.py on 127.0.0.1 at a free port, in front of a random GPT-2 checkpoint with a
 small sentencepiece tokenizer. Answers are checked against transformers' greedy `generate`
 on the same weights: a completion, a streamed one, a batch prompt, eight concurrent client
-threads, a client leaving mid-stream, and bad requests answered 400 while the server stays up.
+threads, a client leaving mid-stream, and bad requests answered 400 while the server stays up;
+/v1/models names the model, and a chat request to a tokenizer without a chat template is
+answered 400 (chat on a chat model: tests/test_chat_inference.py).
 """
 import json
 import os
