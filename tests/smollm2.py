@@ -4,10 +4,12 @@ The reference is transformers' own GGUF loader (`from_pretrained(dir, gguf_file=
 its dequantisation and q/k unpermutation, independent of megalite.hf.gguf). Loading it takes
 about a minute here, so its tokenised prompts and logits are cached under
 `$MEGALITE_CACHE/smollm2` (default ~/.cache/megalite), keyed by the file and the
-transformers version.
+transformers version. Tests of the tools rather than of the conversion load a megalite
+checkpoint converted once and cached there too (`cached_checkpoint`).
 """
 import json
 import os
+import shutil
 
 import torch
 
@@ -19,10 +21,8 @@ def cached_reference(gguf_path: str, kind: str, compute) -> dict:
     """`compute(tokenizer, model)` on transformers' own GGUF load, cached as
     `$MEGALITE_CACHE/smollm2/<kind>-<file size>-transformers<version>.pt`."""
     import transformers
-    root = os.environ.get("MEGALITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                            "megalite")
-    path = os.path.join(root, "smollm2", f"{kind}-{os.path.getsize(gguf_path)}-"
-                                         f"transformers{transformers.__version__}.pt")
+    path = os.path.join(_cache_dir(), f"{kind}-{os.path.getsize(gguf_path)}-"
+                                      f"transformers{transformers.__version__}.pt")
     if os.path.exists(path):
         return torch.load(path, weights_only=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -36,6 +36,35 @@ def cached_reference(gguf_path: str, kind: str, compute) -> dict:
     torch.save(reference, path + ".tmp")
     os.replace(path + ".tmp", path)
     return reference
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("MEGALITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                            "megalite")
+    return os.path.join(root, "smollm2")
+
+
+def cached_checkpoint(gguf_path: str) -> str:
+    """A megalite weights checkpoint of the GGUF (converted by megalite.hf) with the GGUF's
+    tokenizer saved in it (chat template included), written once as
+    `$MEGALITE_CACHE/smollm2/checkpoint-<file size>-format<N>` (540 MB): `--load` reads it
+    in about a second, where the GGUF takes tens to dequantise. Returns its directory."""
+    from megalite.checkpointing import FORMAT, write_weights_checkpoint
+    from megalite.data.tokenizers import HFTokenizer
+    from megalite.hf import llama_config, llama_to_megalite, read_llama_gguf
+    root = os.path.join(_cache_dir(), f"checkpoint-{os.path.getsize(gguf_path)}-format{FORMAT}")
+    if os.path.isdir(root):
+        return root
+    hf_config, hf_state = read_llama_gguf(gguf_path)
+    config = llama_config(hf_config)
+    tmp = f"{root}.tmp{os.getpid()}"
+    write_weights_checkpoint(tmp, llama_to_megalite(hf_state, config), config,
+                             tokenizer=HFTokenizer(gguf_path))
+    try:
+        os.rename(tmp, root)
+    except OSError:  # another process cached it first
+        shutil.rmtree(tmp)
+    return root
 
 
 def _logits(tokenizer, model) -> dict:

@@ -1,7 +1,9 @@
 """tools/serve.py on 127.0.0.1 at a free port, in front of a random GPT-2 checkpoint with a
 small sentencepiece tokenizer. Answers are checked against transformers' greedy `generate`
 on the same weights: a completion, a streamed one, a batch prompt, eight concurrent client
-threads, a client leaving mid-stream, and bad requests answered 400 while the server stays up.
+threads, a client leaving mid-stream, and bad requests answered 400 while the server stays up;
+/v1/models names the model, and a chat request to a tokenizer without a chat template is
+answered 400 (chat on a chat model: tests/test_chat_inference.py).
 """
 import json
 import os
@@ -48,10 +50,14 @@ def tiny_model(tmp) -> tuple[object, SentencePieceTokenizer]:
 
 def start_server(tmp, *flags: str) -> tuple[subprocess.Popen, str]:
     """tools/serve.py on tmp/ckpt at a free loopback port, once /health answers."""
+    return serve("--load", str(tmp / "ckpt"), "--tokenizer", str(tmp / "sp.model"), *flags)
+
+
+def serve(*flags: str) -> tuple[subprocess.Popen, str]:
+    """tools/serve.py with `flags` at a free loopback port, once /health answers."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "serve.py"), "--load",
-                             str(tmp / "ckpt"), "--tokenizer", str(tmp / "sp.model"), "--port",
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "serve.py"), "--port",
                              str(port), *flags], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -86,9 +92,9 @@ def _expected(hf, tokenizer, prompt: str, max_tokens: int) -> str:
     return tokenizer.detokenize(ids + new)[len(tokenizer.detokenize(ids)):]
 
 
-def _post(url: str, body) -> tuple[int, dict]:
+def _post(url: str, body, path: str = "/v1/completions") -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url + "/v1/completions", data=data,
+    request = urllib.request.Request(url + path, data=data,
                                      headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -97,8 +103,9 @@ def _post(url: str, body) -> tuple[int, dict]:
         return error.code, json.loads(error.read())
 
 
-def _stream_events(url: str, body: dict, keep: int | None = None) -> list:
-    request = urllib.request.Request(url + "/v1/completions",
+def _stream_events(url: str, body: dict, keep: int | None = None,
+                   path: str = "/v1/completions") -> list:
+    request = urllib.request.Request(url + path,
                                      data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"content-type": "application/json"})
     events = []
@@ -159,3 +166,13 @@ def test_bad_requests_get_400_and_the_server_stays_up(server, body, needle):
     assert urllib.request.urlopen(url + "/health", timeout=5).status == 200
     status, answer = _post(url, {"prompt": PROMPTS[5], "max_tokens": 4, "temperature": 0})
     assert status == 200 and answer["choices"][0]["text"] == _expected(hf, tok, PROMPTS[5], 4)
+
+
+def test_models_names_the_model_and_chat_needs_a_chat_template(server):
+    url, hf, tok = server
+    with urllib.request.urlopen(url + "/v1/models", timeout=5) as response:
+        assert [m["id"] for m in json.loads(response.read())["data"]] == ["ckpt"]
+    status, answer = _post(url, {"messages": [{"role": "user", "content": "The module"}]},
+                           "/v1/chat/completions")
+    assert status == 400 and "sp.model: this sentencepiece model has no chat template" in \
+        answer["error"]["message"], answer

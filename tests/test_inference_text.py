@@ -20,7 +20,7 @@ class Chars(Tokenizer):
 def _feed(text: str, stop: list[str], tokens: list[int] | None = None) -> tuple[Completion, str]:
     completion, streamed = Completion(Chars(), stop, Chars().tokenize("prompt: ")), ""
     for token in tokens if tokens is not None else Chars().tokenize(text):
-        done = completion.add(token, EOS)
+        done = completion.add(token, {EOS})
         streamed += completion.take_delta()
         if done:
             break
@@ -37,9 +37,9 @@ def test_stop_string_across_tokens_cuts_the_text():
 def test_partial_stop_string_is_held_back_while_streaming():
     completion = Completion(Chars(), ["END"], [])
     for token in Chars().tokenize("abcE"):
-        completion.add(token, EOS)
+        completion.add(token, {EOS})
     assert completion.take_delta() == "ab"  # the last len("END") - 1 characters wait
-    completion.add(ord("x"), EOS)
+    completion.add(ord("x"), {EOS})
     assert completion.take_delta() == "c"
     assert completion.take_delta(final=True) == "Ex"
 

@@ -5,9 +5,13 @@ directory, at any TP x PP: rank 0 answers HTTP, every rank generates.
   torchrun --nproc_per_node 2 tools/serve.py --tp 2 --hf DIR --port 8000
   curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
        -d '{"prompt": "The module", "max_tokens": 32, "temperature": 0}'
+  python tools/serve.py --gguf smollm2 --port 8000
+  curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \
+       -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
 
 POST /v1/completions: prompt (string or list), max_tokens, temperature, top_p, top_k, seed,
-stop, stream (server-sent events). GET /health. A request whose prompt plus max_tokens
+stop, stream (server-sent events). POST /v1/chat/completions: the same with messages
+instead of prompt (rendered with the tokenizer's chat template). GET /v1/models, /health. A request whose prompt plus max_tokens
 exceeds the model's context, or whose max_tokens exceeds --max-tokens, gets HTTP 400; one
 that generates longer than --request-timeout seconds stops there (finish_reason "length",
 and a "warning" saying so). Every request is logged; SIGTERM stops the server after the
@@ -52,8 +56,8 @@ def main(argv=None) -> None:
     server.stop_on_sigterm()
     if dist.get_rank() == 0:
         serve_http(server, sock)
-        print(f"serving on http://{args.host}:{args.port} (POST /v1/completions, GET /health)",
-              flush=True)
+        print(f"serving on http://{args.host}:{args.port} (POST /v1/completions, "
+              f"/v1/chat/completions, GET /v1/models, /health)", flush=True)
     server.loop()
     if dist.get_rank() == 0:
         print("server stopped", flush=True)

@@ -90,6 +90,11 @@ class HFTokenizer(Tokenizer):
         self.eod = eod
         self.pad = self._tok.pad_token_id if self._tok.pad_token_id is not None else eod
 
+    @property
+    def hf(self):
+        """The wrapped transformers tokenizer (its chat template, special tokens)."""
+        return self._tok
+
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 

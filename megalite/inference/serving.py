@@ -1,5 +1,7 @@
 """An OpenAI-style completions server in front of `complete`: FastAPI on rank 0, every rank in
-the generation loop.
+the generation loop. /v1/completions takes prompts; /v1/chat/completions takes a conversation,
+renders it with the tokenizer's chat template (megalite.data.chat_template) and ends the
+answer at an end-of-turn token; /v1/models names the model.
 
 Rank 0's HTTP handlers validate a request (400 with a message when it is bad: among others
 a prompt plus max_tokens beyond the model's context, or max_tokens above the server's
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.data.chat_template import end_of_turn_ids, render_chat
 from megalite.data.tokenizers import Tokenizer
 from megalite.inference.generation import GenerationStats
 from megalite.inference.sampling import SamplingParams
@@ -50,38 +53,58 @@ class Limits:
 
 @dataclass
 class Request:
-    """A validated completion request and the queue its results come back on."""
+    """A validated completion request (`chat`: a chat completion, its conversation rendered
+    into the one prompt) and the queue its results come back on."""
 
     prompts: list[str]
     params: SamplingParams
     stop: list[str]
     stream: bool
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:16]}")
+    chat: bool = False
+    id: str = ""
     events: queue.Queue = field(default_factory=queue.Queue)
 
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
 
-def parse_request(body, tokenizer: Tokenizer, context: int, limits: Limits = Limits()
-                  ) -> Request:
-    """An OpenAI completions body -> Request; BadRequest naming the first bad field."""
-    if not isinstance(body, dict):
-        raise BadRequest("expected a JSON object")
+
+def _prompts(body: dict, tokenizer: Tokenizer, chat: bool) -> list[str]:
+    """The prompt texts of a completions body, or the one rendered conversation of a chat."""
+    if chat:
+        try:
+            return [render_chat(tokenizer, body.get("messages"))]
+        except ValueError as error:  # a bad conversation, or no chat template
+            raise BadRequest(str(error)) from None
     prompt = body.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not prompts or not isinstance(prompts, list) or not all(isinstance(p, str)
                                                                for p in prompts):
         raise BadRequest("'prompt' is required: a string or a non-empty list of strings")
+    return prompts
+
+
+def parse_request(body, tokenizer: Tokenizer, context: int, limits: Limits = Limits(),
+                  chat: bool = False) -> Request:
+    """An OpenAI completions body (`chat`: a chat completions body, with `messages`) ->
+    Request; BadRequest naming the first bad field. max_tokens defaults to 16, for a chat
+    to the rest of the context (at most --max-tokens), as OpenAI's chat does."""
+    if not isinstance(body, dict):
+        raise BadRequest("expected a JSON object")
+    prompts = _prompts(body, tokenizer, chat)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("'stop' must be a non-empty string or a list of them")
     try:
-        params = SamplingParams(max_new_tokens=int(body.get("max_tokens", 16)),
+        longest = max(map(len, encode_prompts(tokenizer, prompts, context)))
+        default = min(context - longest, limits.max_tokens or context) if chat else 16
+        max_tokens = body.get("max_tokens")
+        params = SamplingParams(max_new_tokens=default if max_tokens is None else int(max_tokens),
                                 temperature=float(body.get("temperature", 1.0)),
                                 top_k=int(body.get("top_k", 0)),
                                 top_p=float(body.get("top_p", 1.0)),
                                 seed=None if body.get("seed") is None else int(body["seed"]))
         params.validate()
-        longest = max(map(len, encode_prompts(tokenizer, prompts, context)))
     except (TypeError, ValueError) as error:
         raise BadRequest(str(error).replace("max_new_tokens", "max_tokens")) from None
     if longest + params.max_new_tokens > context:
@@ -90,11 +113,17 @@ def parse_request(body, tokenizer: Tokenizer, context: int, limits: Limits = Lim
     if limits.max_tokens is not None and params.max_new_tokens > limits.max_tokens:
         raise BadRequest(f"max_tokens ({params.max_new_tokens}) is above this server's limit "
                          f"(--max-tokens {limits.max_tokens})")
-    return Request(prompts, params, stop, bool(body.get("stream", False)))
+    return Request(prompts, params, stop, bool(body.get("stream", False)), chat)
 
 
-def _choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def _choice(request: Request, index: int, text: str, finish_reason: str | None) -> dict:
+    """One choice of a response: `text` (completions), `message` (chat) or `delta` (a chat
+    stream's chunk)."""
+    key, value = "text", text
+    if request.chat:
+        key, value = ("delta", {"content": text} if text else {}) if request.stream else \
+            ("message", {"role": "assistant", "content": text})
+    return {"index": index, key: value, "logprobs": None, "finish_reason": finish_reason}
 
 
 class CompletionServer:
@@ -103,7 +132,7 @@ class CompletionServer:
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, model_name: str,
                  limits: Limits = Limits()) -> None:
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
-        self.limits = limits
+        self.limits, self.created = limits, int(time.time())
         self.requests: queue.Queue[Request | None] = queue.Queue()
 
     def stop_on_sigterm(self) -> None:
@@ -128,7 +157,9 @@ class CompletionServer:
         return bool(late.item())
 
     def _header(self, request: Request) -> dict:
-        return {"id": request.id, "object": "text_completion", "created": int(time.time()),
+        kind = "text_completion" if not request.chat else \
+            "chat.completion.chunk" if request.stream else "chat.completion"
+        return {"id": request.id, "object": kind, "created": int(time.time()),
                 "model": self.model_name}
 
     def _run(self, request: Request) -> None:
@@ -136,15 +167,17 @@ class CompletionServer:
         stats, completions, timed_out = GenerationStats(), [], False
         post = request.events.put if dist.get_rank() == 0 else (lambda event: None)
         start = time.perf_counter()
+        end_ids = end_of_turn_ids(self.tokenizer) if request.chat else None
         for completions in complete(self.model, self.tokenizer, request.prompts, request.params,
-                                    request.stop, stats):
+                                    request.stop, stats, end_ids):
             if request.stream:
                 deltas = [c.take_delta() for c in completions]
-                post(("delta", [_choice(i, d, None) for i, d in enumerate(deltas) if d]))
+                post(("delta", [_choice(request, i, d, None) for i, d in enumerate(deltas)
+                                if d]))
             if self._timed_out(start):
                 timed_out = True
                 break
-        choices = [_choice(i, c.take_delta(final=True) if request.stream else c.text,
+        choices = [_choice(request, i, c.take_delta(final=True) if request.stream else c.text,
                            c.finish_reason or "length") for i, c in enumerate(completions)]
         usage = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
                  "total_tokens": stats.prompt_tokens + stats.new_tokens}
@@ -169,7 +202,7 @@ class CompletionServer:
         if dist.get_world_size() == 1:
             return item
         box = [item if isinstance(item, str) else
-               (item.prompts, item.params, item.stop, item.stream)]
+               (item.prompts, item.params, item.stop, item.stream, item.chat)]
         dist.broadcast_object_list(box, src=0)
         if dist.get_rank() == 0 or isinstance(box[0], str):
             return item if dist.get_rank() == 0 else box[0]
@@ -193,7 +226,8 @@ class CompletionServer:
                 return
 
     def app(self):
-        """The FastAPI application: POST /v1/completions, GET /health."""
+        """The FastAPI application: POST /v1/completions and /v1/chat/completions, GET
+        /v1/models and /health."""
         from fastapi import FastAPI, Request as HTTPRequest
         from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -208,20 +242,32 @@ class CompletionServer:
         def health() -> dict:
             return {"status": "ok", "model": self.model_name}
 
-        @app.post("/v1/completions")
-        async def completions(http_request: HTTPRequest):
+        @app.get("/v1/models")
+        def models() -> dict:
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                "created": self.created, "owned_by": "megalite"}]}
+
+        async def answer(http_request: HTTPRequest, chat: bool):
             try:
                 body = json.loads(await http_request.body())
             except ValueError:
                 return error(400, "body is not valid JSON")
             try:
-                request = parse_request(body, self.tokenizer, context, self.limits)
+                request = parse_request(body, self.tokenizer, context, self.limits, chat)
             except BadRequest as bad:
                 return error(400, str(bad))
             self.requests.put(request)
             if request.stream:
                 return StreamingResponse(self._sse(request), media_type="text/event-stream")
             return await _in_thread(self._answer, request)
+
+        @app.post("/v1/completions")
+        async def completions(http_request: HTTPRequest):
+            return await answer(http_request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(http_request: HTTPRequest):
+            return await answer(http_request, chat=True)
 
         return app
 
@@ -236,6 +282,10 @@ class CompletionServer:
                         **warning}
 
     def _sse(self, request: Request) -> Iterator[str]:
+        if request.chat:  # OpenAI's first chunk names the role
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+            yield f"data: {json.dumps({**self._header(request), 'choices': [role]})}\n\n"
         for event in self._events(request):
             if event[0] == "error":
                 yield f"data: {json.dumps({'error': {'message': event[1]}})}\n\n"

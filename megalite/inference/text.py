@@ -3,7 +3,7 @@
 Every rank runs the same code on the same tokens, so every rank reaches the same stop
 decisions without further communication.
 """
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -15,9 +15,9 @@ from megalite.inference.sampling import SamplingParams
 
 @dataclass
 class Completion:
-    """One prompt's continuation: `text` (cut before a stop string, without EOS), `tokens`,
-    `finish_reason` ("stop" after EOS or a stop string, "length" otherwise), and the text not
-    yet handed out by `take_delta`.
+    """One prompt's continuation: `text` (cut before a stop string, without the end token),
+    `tokens`, `finish_reason` ("stop" after an end token or a stop string, "length"
+    otherwise), and the text not yet handed out by `take_delta`.
 
     The text is decoded after the prompt's last `ANCHOR` tokens and stripped of their text,
     so word boundaries (sentencepiece's leading spaces) come out as in the whole sequence.
@@ -32,9 +32,10 @@ class Completion:
     finish_reason: str | None = None
     _sent: int = 0
 
-    def add(self, token: int, eos_id: int | None) -> bool:
-        """Append a token; return whether the completion is finished (EOS or stop string)."""
-        if token == eos_id:
+    def add(self, token: int, end_ids: Collection[int]) -> bool:
+        """Append a token; return whether the completion is finished (a token of `end_ids`,
+        which is not appended, or a stop string)."""
+        if token in end_ids:
             self.finish_reason = "stop"
             return True
         self.tokens.append(token)
@@ -68,15 +69,18 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str], context: int) -> li
 
 def complete(model: nn.Module, tokenizer: Tokenizer, prompts: list[str],
              params: SamplingParams, stop: list[str] | None = None,
-             stats: GenerationStats | None = None) -> Iterator[list[Completion]]:
+             stats: GenerationStats | None = None,
+             end_ids: Collection[int] | None = None) -> Iterator[list[Completion]]:
     """Generate for a batch of text prompts; after every decoding step yield the batch's
-    `Completion`s (use `take_delta` to stream). Call on every rank of the model."""
+    `Completion`s (use `take_delta` to stream). A row ends at a token of `end_ids` (default:
+    the tokenizer's EOS; a chat's: `chat_template.end_of_turn_ids`). Call on every rank of
+    the model."""
     ids = encode_prompts(tokenizer, prompts, model.config.max_position_embeddings)
     completions = [Completion(tokenizer, list(stop or []), prompt) for prompt in ids]
-    eos = tokenizer.eod
+    end_ids = frozenset(end_ids if end_ids is not None else (tokenizer.eod,))
 
     def finished(row: int, tokens: list[int]) -> bool:
-        return completions[row].add(tokens[-1], eos)
+        return completions[row].add(tokens[-1], end_ids)
 
     for _ in generate_steps(model, ids, params, eos_id=None, stop=finished, pad_id=tokenizer.pad,
                             stats=stats):
