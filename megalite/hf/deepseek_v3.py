@@ -18,6 +18,7 @@ import torch
 
 from megalite.config import ModelConfig
 from megalite.hf.llama import _TOP_MAP, write_hf_dir
+from megalite.hf.moe import deepseek_moe_block_state
 
 _LAYER_MAP = {  # megalite suffix -> transformers suffix (same layout)
     "input_layernorm.weight": "input_layernorm.weight",
@@ -49,7 +50,10 @@ def deepseek_v3_config(hf_config) -> ModelConfig:
         (f"rms_norm_eps={hf_config.rms_norm_eps} (the latent norms use {LATENT_NORM_EPS})",
          hf_config.rms_norm_eps != LATENT_NORM_EPS),
         (f"num_key_value_heads={hf_config.num_key_value_heads} (MLA: one per head)",
-         hf_config.num_key_value_heads != hf_config.num_attention_heads)) if bad]
+         hf_config.num_key_value_heads != hf_config.num_attention_heads),
+        ("n_shared_experts=0 (megalite maps DeepSeek-V3's shared expert)",
+         hf_config.first_k_dense_replace < hf_config.num_hidden_layers
+         and not hf_config.n_shared_experts)) if bad]
     if problems:
         raise ValueError(f"unsupported DeepSeek-V3 config: {problems[0]}")
     yarn = {}
@@ -89,7 +93,7 @@ def _moe_fields(hf_config) -> dict:
         num_experts=hf_config.n_routed_experts, moe_router_topk=hf_config.num_experts_per_tok,
         moe_ffn_hidden_size=hf_config.moe_intermediate_size,
         moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size
-        * hf_config.n_shared_experts if hf_config.n_shared_experts else None,
+        * hf_config.n_shared_experts,
         moe_layer_freq=f"[0]*{dense}+[1]*{layers - dense}" if dense else 1,
         moe_router_score_function="sigmoid", moe_router_topk_renorm=hf_config.norm_topk_prob,
         moe_router_enable_expert_bias=True, moe_router_num_groups=groups,
@@ -105,10 +109,11 @@ def check_deepseek_v3_spec(config: ModelConfig) -> None:
         ("--swiglu", not config.swiglu), ("--disable-bias-linear", not config.disable_bias_linear),
         (f"--norm-epsilon {LATENT_NORM_EPS}", config.norm_epsilon != LATENT_NORM_EPS),
         ("MoE layers: --moe-router-score-function sigmoid, --moe-router-enable-expert-bias, "
-         "no --moe-shared-expert-gate or capacity factor, dense layers first",
-         config.num_experts is not None and (
+         "a shared expert without --moe-shared-expert-gate, no capacity factor, dense layers "
+         "first", config.num_experts is not None and (
              config.moe_router_score_function != "sigmoid"
              or not config.moe_router_enable_expert_bias or config.moe_shared_expert_gate
+             or not config.moe_shared_expert_intermediate_size
              or config.moe_expert_capacity_factor is not None
              or list(config.moe_layers) != sorted(config.moe_layers))),
         ("--causal, no --post-layernorm", not config.causal or config.post_layernorm)) if bad]
@@ -214,17 +219,10 @@ def _swiglu_from_hf(state: dict, src: str, dst: str) -> dict:
 
 def _moe_to_hf(state: dict, src: str, dst: str, experts: int) -> dict:
     """One layer's MLP (dense, or router + bias + experts + shared expert) to transformers'."""
-    out = _swiglu_to_hf(state, src, dst) | _swiglu_to_hf(state, src + "shared_experts.",
-                                                        dst + "shared_experts.")
-    if src + "router.weight" in state:
-        out[dst + "gate.weight"] = state[src + "router.weight"]
-        out[dst + "gate.e_score_correction_bias"] = state[src + "router.expert_bias"]
-        names = [f"{src}local_experts.{e}." for e in range(experts)]
-        out[dst + "experts.gate_up_proj"] = torch.stack([state[n + "dense_h_to_4h.weight"]
-                                                         for n in names])
-        out[dst + "experts.down_proj"] = torch.stack([state[n + "dense_4h_to_h.weight"]
-                                                      for n in names])
-    return out
+    if src + "router.weight" not in state:
+        return _swiglu_to_hf(state, src, dst)
+    layer = {k.removeprefix(src): v for k, v in state.items() if k.startswith(src)}
+    return {dst + k: v for k, v in deepseek_moe_block_state(layer, experts).items()}
 
 
 def _moe_from_hf(state: dict, src: str, dst: str, experts: int) -> dict:
