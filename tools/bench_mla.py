@@ -7,9 +7,9 @@ Both are megalite GPT models (RMSNorm, RoPE, SwiGLU) of --layers x --hidden with
 heads. GQA: --groups KV groups of head dim hidden / heads. MLA: latent --kv-lora-rank, RoPE
 key --rope-dim, no-RoPE q/k dim --qk-dim, value dim hidden / heads, and the query compression
 rank chosen so that the attention has the GQA attention's parameter count (printed). The
-MLA cache holds the latent and the RoPE key per layer; every decode step expands the cached
-latents through W_uk, W_uv (no weight absorption), so its compute per step grows with the
-context. Decode tokens/s: new tokens after the first over their time, best of --repeats.
+MLA cache holds the latent and the RoPE key per layer, attended with W_uk absorbed into the
+query (no expansion of the cached positions). Decode tokens/s: new tokens after the first
+over their time, best of --repeats.
 """
 import argparse
 import os
