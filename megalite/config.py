@@ -96,7 +96,7 @@ class ModelConfig:
         "a decoupled RoPE key shared by the heads; see --q-lora-rank and the head dims")
     q_lora_rank: int | None = arg(None, "MLA: rank of the query compression (0/None: a full "
                                   "query projection)")
-    kv_lora_rank: int = arg(32, "MLA: rank of the compressed key-value latent c_kv (cached in "
+    kv_lora_rank: int = arg(512, "MLA: rank of the compressed key-value latent c_kv (cached in "
                             "generation)")
     qk_head_dim: int = arg(128, "MLA: per-head query/key dim without RoPE")
     qk_pos_emb_head_dim: int = arg(64, "MLA: per-head query/key dim with RoPE (the shared key)")
