@@ -14,7 +14,6 @@ over their time, best of --repeats.
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,14 +53,18 @@ def attention_params(config: ModelConfig) -> int:
     return spec.layer_params() - spec.mlp_params() - 2 * spec.norm_params(config.hidden_size)
 
 
-def decode(model, prompts: list[list[int]], new: int, repeats: int) -> tuple[float, int]:
-    """(decode tokens/s, best of `repeats`; KV-cache bytes per token)."""
-    best = 0.0
+def decode(models: list, prompts: list[list[int]], new: int, repeats: int
+           ) -> list[tuple[float, int]]:
+    """Per model: (decode tokens/s, best of `repeats`; KV-cache bytes per token). The models
+    take turns, so a busy machine slows them alike."""
+    best, cache = [0.0] * len(models), [0] * len(models)
     for _ in range(repeats):
-        stats = GenerationStats()
-        generate(model, prompts, SamplingParams(new), stats=stats)
-        best = max(best, (stats.new_tokens - len(prompts)) / stats.decode_s)
-    return best, stats.kv_cache_bytes_per_token
+        for i, model in enumerate(models):
+            stats = GenerationStats()
+            generate(model, prompts, SamplingParams(new), stats=stats)
+            best[i] = max(best[i], (stats.new_tokens - len(prompts)) / stats.decode_s)
+            cache[i] = stats.kv_cache_bytes_per_token
+    return list(zip(best, cache))
 
 
 def main() -> None:
@@ -96,12 +99,11 @@ def main() -> None:
     for batch in args.batch_sizes:
         prompts = torch.randint(0, args.vocab, (batch, args.prompt_len),
                                 generator=torch.Generator().manual_seed(batch)).tolist()
-        for name, (model, params, attention) in models.items():
-            start = time.perf_counter()
-            rate, cache_bytes = decode(model, prompts, args.new_tokens, args.repeats)
+        results = decode([model for model, _, _ in models.values()], prompts,
+                         args.new_tokens, args.repeats)
+        for (name, (_, params, attention)), (rate, cache_bytes) in zip(models.items(), results):
             print(f"{name:>9} {params:>10,} {attention:>11,} {batch:>5} | "
-                  f"{cache_bytes:>14,} | {rate:>12.1f}"
-                  f"   ({time.perf_counter() - start:.0f} s)", flush=True)
+                  f"{cache_bytes:>14,} | {rate:>12.1f}", flush=True)
 
 
 if __name__ == "__main__":
