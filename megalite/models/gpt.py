@@ -4,9 +4,9 @@ import torch
 from megalite.config import ModelConfig
 from megalite.models.mtp import MultiTokenPrediction
 from megalite.models.spec import TransformerSpec
-from megalite.moe.stats import attach_aux_loss
 from megalite.models.transformer import init_scope, layer_norm
 from megalite.models.transformer_stage import TransformerStage
+from megalite.moe.stats import attach_aux_loss
 from megalite.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megalite.mpu.layers import VocabParallelEmbedding, init_method_normal
 from megalite.mpu.rotary import RotaryEmbedding
