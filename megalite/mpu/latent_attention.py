@@ -15,9 +15,10 @@ the TP group, with it the [s/t, b, h] input is all-gathered (backward: reduce-sc
 a context-parallel group the core is ring attention (k and v of different widths).
 
 In generation the KV cache holds the latent c_kv and the rotated k_pe
-(kv_lora_rank + qk_pos_emb_head_dim values per token per layer, on every TP rank) and the
-attention runs on them directly, W_uk absorbed into the query and W_uv applied to the
-attended latent (DeepSeek-V2's absorption), so no step expands the cached positions.
+(kv_lora_rank + qk_pos_emb_head_dim values per token per layer, on every TP rank). A decode
+step (one new position) attends the cached latents directly, W_uk absorbed into the query
+and W_uv applied to the attended latent (DeepSeek-V2's absorption), so it never expands the
+cached positions; the prefill expands them as training does (cheaper for many queries).
 """
 import torch
 from torch import nn
@@ -124,18 +125,19 @@ class ParallelLatentAttention(nn.Module):
         return core_attention(q, k, v, attention_mask, self.causal, dropout, self.cp_group,
                               self.softmax_scale)
 
-    def _absorbed_core(self, q: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                       attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """The same attention with W_uk folded into the query and W_uv applied after it, so
-        the cached latents are never expanded: q_nope W_uk . c_kv + q_pe . k_pe scores, the
-        probabilities times c_kv, then W_uv per head (inference, no dropout)."""
+    def _absorbed_decode(self, q: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                         attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """One new position per sequence, q [b, heads/tp, 1, qk + rope dims], attending the
+        cached latents directly: W_uk folded into the query (scores q_nope W_uk . c_kv +
+        q_pe . k_pe), the probabilities applied to c_kv, then W_uv per head. The heads are
+        the query rows of one shared key/value "head" [c_kv | k_pe] / c_kv."""
         weight = self.linear_kv_up_proj.weight.view(self.heads_per_rank, -1, self.kv_lora_rank)
         w_uk, w_uv = weight.split([self.qk_head_dim, self.v_head_dim], dim=1)
         q_nope, q_pe = q.split([self.qk_head_dim, self.rope_dim], dim=-1)
         query = torch.cat([torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk), q_pe], dim=-1)
-        latent = core_attention(query, torch.cat([c_kv, k_pe], dim=-1), c_kv, attention_mask,
-                                self.causal, 0.0, self.cp_group, self.softmax_scale)
-        return torch.einsum("bhsr,hvr->bhsv", latent, w_uv)
+        latent = core_attention(query.transpose(1, 2), torch.cat([c_kv, k_pe], dim=-1), c_kv,
+                                attention_mask, False, 0.0, self.cp_group, self.softmax_scale)
+        return torch.einsum("bshr,hvr->bhsv", latent, w_uv)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -149,7 +151,8 @@ class ParallelLatentAttention(nn.Module):
             k_pe = apply_rotary(k_pe, *rotary)
         if kv_cache is not None:
             c_kv, k_pe = kv_cache.update(c_kv, k_pe)
-            context = self._absorbed_core(q, c_kv, k_pe, attention_mask)
+        if kv_cache is not None and s == 1:
+            context = self._absorbed_decode(q, c_kv, k_pe, attention_mask)
         elif recompute_core:
             context = checkpoint(self._core, q, c_kv, k_pe, attention_mask)
         else:
