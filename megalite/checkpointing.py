@@ -43,11 +43,11 @@ from megalite.checkpoint_io import (CheckpointFileError, fsync_dir, load_state, 
 from megalite.config import ModelConfig
 from megalite.data.tokenizers import Tokenizer
 from megalite.device import device_type
-from megalite.models.sharding import full_state_dict, unwrap
+from megalite.models.sharding import (full_state_dict, local_value, persistent_buffers,
+                                      unwrap)
 from megalite.models.spec import stage_of
 from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps
-from megalite.mpu.layers import shard_tensor_parallel
 from megalite.mpu.random import get_rng_tracker
 
 MARKER = "latest_checkpointed_iteration.txt"
@@ -317,12 +317,13 @@ def load_model_weights(root: str, meta: dict, model: list[torch.nn.Module]) -> N
     """Fill this rank's shards from the full per-stage files (any TP/PP layout)."""
     full = read_model_weights(root, meta)
     directory = _published_dir(root, meta["iteration"])
-    for chunk in model:
-        for name, param in unwrap(chunk).named_parameters():
-            if name not in full:
-                raise CheckpointFileError(f"{directory}: no model file holds parameter {name!r}")
+    for chunk in map(unwrap, model):
+        for name, param in [*chunk.named_parameters(), *persistent_buffers(chunk)]:
             try:
-                param.copy_(shard_tensor_parallel(full[name].to(param.dtype), param))
+                param.copy_(local_value(full, name, param))
+            except KeyError as error:
+                raise CheckpointFileError(f"{directory}: no model file holds parameter "
+                                          f"{error.args[0]!r}") from None
             except ValueError as error:
                 raise CheckpointFileError(f"{directory}: parameter {name!r}: {error}") from None
 

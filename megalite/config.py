@@ -80,7 +80,10 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int | None = arg(
         None, "inner size of the shared expert every token also goes through (off: none)")
     moe_shared_expert_gate: bool = arg(False, "scale the shared expert by sigmoid(x w) (Qwen2-MoE)")
-    moe_layer_freq: int = arg(1, "every N-th layer (0, N, 2N, ...) is MoE, the others dense")
+    moe_layer_freq: str | int = arg(
+        1, "which layers are MoE: N (every N-th: 0, N, 2N, ...) or a per-layer pattern of 0 "
+        "(dense) and 1 (MoE) as Megatron writes it, e.g. \"[0]*2+[1]*2\" (DeepSeek's "
+        "first_k_dense_replace 2 of 4 layers)")
     moe_router_score_function: str = arg("softmax", "router scores over the experts",
                                          choices=("softmax", "sigmoid"))
     moe_router_topk_renorm: bool = arg(False, "divide the top-k weights by their sum (Mixtral)")
@@ -88,6 +91,25 @@ class ModelConfig:
     moe_z_loss_coeff: float = arg(0.0, "coefficient of the router z-loss")
     moe_expert_capacity_factor: float | None = arg(
         None, "drop choices over capacity x fair share per expert (default: dropless)")
+    moe_router_load_balancing_type: str = arg(
+        "aux_loss", "load-balancing loss over the whole microbatch (aux_loss) or per sequence, "
+        "averaged over sequences (seq_aux_loss, DeepSeek-V3); scaled by --moe-aux-loss-coeff",
+        choices=("aux_loss", "seq_aux_loss"))
+    moe_router_enable_expert_bias: bool = arg(
+        False, "auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the "
+        "scores for the top-k choice only, updated after each step from its token counts")
+    moe_router_bias_update_rate: float = arg(
+        1e-3, "expert bias update: bias += rate * sign(mean load - load) per step")
+    moe_router_num_groups: int | None = arg(
+        None, "group-limited routing: experts in this many groups (DeepSeek-V3 n_group)")
+    moe_router_group_topk: int | None = arg(
+        None, "group-limited routing: groups kept per token, by the sum of their top-2 scores "
+        "(DeepSeek-V3 topk_group)")
+    moe_router_topk_scaling_factor: float | None = arg(
+        None, "multiply the top-k weights by this (DeepSeek-V3 routed_scaling_factor)")
+    moe_grouped_gemm: bool = arg(
+        False, "local experts' weights stacked per layer and run as one grouped matmul "
+        "(torch._grouped_mm where it runs, else a loop; checkpoints keep per-expert names)")
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
@@ -116,10 +138,17 @@ class ModelConfig:
             if self.num_experts < 1 or not 1 <= self.moe_router_topk <= self.num_experts:
                 raise ValueError(f"--moe-router-topk ({self.moe_router_topk}) must be between 1 "
                                  f"and --num-experts ({self.num_experts})")
-            if self.moe_layer_freq < 1:
-                raise ValueError(f"--moe-layer-freq must be >= 1, got {self.moe_layer_freq}")
+            self.moe_layer_freq = moe_layer_pattern(self.moe_layer_freq, self.num_layers)[1]
+            _check_router_groups(self)
             if self.moe_ffn_hidden_size is None:
                 self.moe_ffn_hidden_size = self.ffn_hidden_size
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether its MLP is MoE (all False without --num-experts)."""
+        if self.num_experts is None:
+            return (False,) * self.num_layers
+        return moe_layer_pattern(self.moe_layer_freq, self.num_layers)[0]
 
     @property
     def head_dim(self) -> int:
@@ -129,6 +158,45 @@ class ModelConfig:
     def query_groups(self) -> int:
         """KV groups: --num-query-groups with GQA, else one per head (MHA)."""
         return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+
+def moe_layer_pattern(freq: str | int, num_layers: int) -> tuple[tuple[bool, ...], str | int]:
+    """--moe-layer-freq -> (per layer: MoE or not, the value normalised: an int N or the
+    pattern string). N: layers 0, N, 2N, ... are MoE; a pattern is a Python list expression of
+    0s and 1s built only from brackets, digits, *, + and commas (Megatron's syntax)."""
+    text = str(freq).replace(" ", "")
+    if text.isdigit():
+        if int(text) < 1:
+            raise ValueError(f"--moe-layer-freq must be >= 1, got {text}")
+        return tuple(i % int(text) == 0 for i in range(num_layers)), int(text)
+    bad = ValueError(f"--moe-layer-freq {freq!r}: expected an int >= 1 or a list of "
+                     f"{num_layers} 0/1 entries such as \"[0]*2+[1]*{num_layers - 2}\"")
+    if not text or set(text) - set("[]()0123456789*+,"):
+        raise bad
+    try:
+        pattern = eval(text, {"__builtins__": {}})  # only list arithmetic can pass the check
+    except Exception:
+        raise bad from None
+    if not isinstance(pattern, list) or len(pattern) != num_layers \
+            or any(v not in (0, 1) or isinstance(v, bool) for v in pattern):
+        raise bad
+    return tuple(v == 1 for v in pattern), text
+
+
+def _check_router_groups(c: "ModelConfig") -> None:
+    """Group-limited routing: groups divide the experts, kept groups hold top-k experts."""
+    groups, keep = c.moe_router_num_groups, c.moe_router_group_topk
+    if (groups is None) != (keep is None):
+        raise ValueError("--moe-router-num-groups and --moe-router-group-topk go together")
+    if groups is None:
+        return
+    if groups < 1 or c.num_experts % groups:
+        raise ValueError(f"--moe-router-num-groups ({groups}) must divide --num-experts "
+                         f"({c.num_experts})")
+    if not 1 <= keep <= groups or keep * (c.num_experts // groups) < c.moe_router_topk:
+        raise ValueError(f"--moe-router-group-topk ({keep}) must be in [1, "
+                         f"--moe-router-num-groups ({groups})] and its groups hold at least "
+                         f"--moe-router-topk ({c.moe_router_topk}) experts")
 
 
 @dataclass
@@ -319,10 +387,12 @@ MINIMUM = {
     "seq_length": 1, "train_iters": 0, "exit_interval": 1, "eval_interval": 0,
     "eval_iters": 0, "log_interval": 1, "max_skipped_steps": 1, "save_interval": 1,
     "keep_latest_checkpoints": 1, "num_labels": 2, "epochs": 1, "num_workers": 0,
+    "moe_router_bias_update_rate": 0.0, "moe_router_topk_scaling_factor": 0.0,
 }
 # Of these, the ones that must be strictly greater than their minimum.
 STRICTLY_ABOVE = frozenset({"distributed_timeout_minutes", "loss_scale", "initial_loss_scale",
-                            "min_loss_scale", "adam_eps"})
+                            "min_loss_scale", "adam_eps",
+                            "moe_router_topk_scaling_factor"})
 # Values numeric flags must stay strictly below.
 BELOW = {"adam_beta1": 1.0, "adam_beta2": 1.0}
 

@@ -133,6 +133,6 @@ def _check_model_split(m: ModelConfig, p: ParallelConfig, grid: GridLayout) -> N
     if m.num_experts % grid.ep:
         raise ValueError(f"--num-experts ({m.num_experts}) must be divisible by "
                          f"--expert-model-parallel-size ({grid.ep})")
-    if p.sequence_parallel or grid.cp > 1:
-        raise ValueError("--num-experts: MoE layers run without --sequence-parallel and with "
-                         "--context-parallel-size 1")
+    if grid.tp > 1 and grid.ep > 1 and not p.sequence_parallel:  # Megatron's rule
+        raise ValueError("--expert-model-parallel-size > 1 with --tensor-model-parallel-size "
+                         "> 1 needs --sequence-parallel")

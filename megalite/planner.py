@@ -308,7 +308,9 @@ def _layer_stack(configs: Configs, layers_per_chunk: int, act_bytes: int, tp: in
     mode, n = model.recompute_granularity, model.recompute_num_layers
     moe = 0.0
     if model.num_experts and mode != "full":  # the chunk's MoE layers (at most this many)
-        moe = math.ceil(layers_per_chunk / model.moe_layer_freq) * moe_activation_delta(
+        pattern = model.moe_layers  # the most MoE layers any chunk of this many layers holds
+        most = max(sum(pattern[i:i + layers_per_chunk]) for i in range(len(pattern)))
+        moe = most * moe_activation_delta(
             t.seq_length, t.micro_batch_size, model.hidden_size, tp, act_bytes, model)
     if mode is None:
         return layers_per_chunk * per(None) + moe, 0.0

@@ -24,6 +24,7 @@ from megalite.data.loader import TimedIterator
 from megalite.distributed import DistributedDataParallel
 from megalite.layout import RunLayout
 from megalite.log_writers import check_available
+from megalite.moe import update_expert_bias
 from megalite.models.stage import (build_model_chunks, finalize_model_grads,
                                    sync_shared_embedding)
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
@@ -123,6 +124,8 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     if signals is not None:
         signals.settle(flag[0])
     stepped, grad_norm = optimizer.apply(grad_norm, found_inf > 0, math.isfinite(loss))
+    if stepped:
+        update_expert_bias(model)  # --moe-router-enable-expert-bias (no-op without)
     return loss, stepped, grad_norm
 
 

@@ -20,7 +20,7 @@ from megalite.training import build_model, run_schedule, setup_parallel, train_s
 from tests.multirank import run_on_ranks
 from tests.reference import hf_token_loss, random_hf_model, rel_err
 
-VOCAB, SEQ, BATCH = 203, 9, 8
+VOCAB, SEQ, BATCH = 203, 10, 8
 LAYOUTS = {4: [(2, 1, 2), (1, 2, 2)], 8: [(1, 1, 4)]}  # world size -> [(tp, pp, ep)]
 
 
@@ -50,7 +50,8 @@ def _forward_step(data_iterator, model):
 
 def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
     hf = tiny_moe(family)
-    configs = parse_configs(["--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
+    sp = ["--sequence-parallel"] if tp > 1 else []  # needed with TP and EP (Megatron's rule)
+    configs = parse_configs(["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), *sp,
                              "--micro-batch-size", "1", "--global-batch-size", str(BATCH),
                              "--seq-length", str(SEQ), "--clip-grad", "0", "--lr", "1e-3",
                              "--lr-decay-style", "constant", "--train-iters", "10"])

@@ -21,8 +21,9 @@ MOE_FLAGS = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", 
 
 
 @pytest.mark.parametrize("layout,tolerance", [
-    (["--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--pipeline-schedule", "zb-h1"], 1e-5),
-    (["--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--vpp", "2",
+    (["--tp", "2", "--sequence-parallel", "--pp", "2", "--dp", "2", "--ep", "2",
+      "--pipeline-schedule", "zb-h1"], 1e-5),
+    (["--tp", "2", "--sequence-parallel", "--pp", "2", "--dp", "2", "--ep", "2", "--vpp", "2",
       "--use-distributed-optimizer", "--recompute-granularity", "full"], 1e-5),
     (["--pp", "2", "--dp", "2", "--ep", "2", "--bf16"], 2e-2)])
 def test_moe_loss_curve_ep2_pp2_dp2_equals_single_process(tmp_path, layout, tolerance):

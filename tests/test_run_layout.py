@@ -19,15 +19,12 @@ CASES = [  # (world size, flags, the line's expected start)
     (4, ["--tp", "2", "--dp", "4"], "--dp 4 does not match world size 4"),
     (6, ["--ep", "4", *MOE], "--expert-model-parallel-size (4) must divide the data-parallel "
                              "size (6)"),
-    (4, ["--ep", "2", "--cp", "2", *MOE], "--expert-model-parallel-size (2) needs "
-                                          "--context-parallel-size 1"),
     (2, ["--ep", "2"], "--expert-model-parallel-size 2 needs --num-experts"),
     (3, ["--ep", "3", *MOE], "--num-experts (4) must be divisible by "
                              "--expert-model-parallel-size (3)"),
-    (2, ["--tp", "2", "--sequence-parallel", *MOE], "--num-experts: MoE layers run without "
-                                                    "--sequence-parallel"),
-    (2, ["--cp", "2", "--attention-dropout", "0", *MOE], "--num-experts: MoE layers run "
-                                                         "without"),
+    (4, ["--tp", "2", "--ep", "2", *MOE], "--expert-model-parallel-size > 1 with "
+                                          "--tensor-model-parallel-size > 1 needs "
+                                          "--sequence-parallel"),
     (1, ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (2, ["--cp", "2", "--seq-length", "66", "--attention-dropout", "0"],
      "--seq-length (66) must be divisible by 2 x --context-parallel-size (4)"),

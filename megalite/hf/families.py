@@ -10,7 +10,7 @@ import torch
 
 from megalite.config import ModelConfig
 from megalite.hf.moe import moe_family
-from megalite.mpu.layers import shard_tensor_parallel
+from megalite.models.sharding import full_names, local_value, persistent_buffers
 
 # transformers' config.json "model_type" -> family
 FAMILIES = {"gpt2": "gpt", "llama": "llama", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
@@ -62,18 +62,21 @@ def _megalite_model(config: ModelConfig, full: dict[str, torch.Tensor]) -> torch
 def check_weights(full: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
     """ValueError (one line naming `source`) unless `full` holds every parameter of the
     megalite model of `config` (BERT heads optional) in its shape, and nothing else."""
-    params = dict(_megalite_model(config, full).named_parameters())
+    model = _megalite_model(config, full)
+    entries = [*model.named_parameters(), *persistent_buffers(model)]
+    expected = [key for name, param in entries for key in full_names(name, param)]
     optional = _BERT_OPTIONAL if not config.causal else ()
-    missing = [n for n in params if n not in full and not n.startswith(optional)]
-    unexpected = [n for n in full if n not in params]
+    missing = [n for n in expected if n not in full and not n.startswith(optional)]
+    unexpected = [n for n in full if n not in set(expected)]
     if missing or unexpected:
         raise ValueError(f"{source}: the weights do not make the model its config describes: "
                          f"missing {_few(missing)}, unexpected {_few(unexpected)}")
-    for name, tensor in full.items():
-        try:
-            shard_tensor_parallel(tensor, params[name])
-        except ValueError as error:
-            raise ValueError(f"{source}: weight {name!r}: {error}") from None
+    for name, param in entries:
+        if all(key in full for key in full_names(name, param)):
+            try:
+                local_value(full, name, param)
+            except ValueError as error:
+                raise ValueError(f"{source}: weight {name!r}: {error}") from None
 
 
 def _few(names: list[str]) -> str:

@@ -2,7 +2,9 @@
 
 A full state dict uses the model's own parameter names, which carry global layer
 indices (`encoder.layers.7.mlp...`), so the dicts of all pipeline stages merge by key.
-It is the pivot for Hugging Face import/export and for checkpoint resharding.
+It is the pivot for Hugging Face import/export and for checkpoint resharding. Stacked
+expert weights (`expert_keys`, megalite.moe.experts) appear as one entry per expert, under
+the names looped experts have; persistent buffers (the routers' expert bias) are entries too.
 """
 import torch
 import torch.distributed as dist
@@ -32,25 +34,59 @@ def full_state_dict(model: nn.Module | list[nn.Module], group=None,
         for name, param in chunk.named_parameters():
             if skip_shared_copies and getattr(param, "shared_embedding_copy", False):
                 continue
-            out[name] = gather_tensor_parallel(param.detach(), param, group).cpu()
+            full = gather_tensor_parallel(param.detach(), param, group).cpu()
+            if hasattr(param, "expert_keys"):  # one entry per expert, each its own storage
+                out.update((key, expert.clone()) for key, expert in
+                           zip(full_names(name, param), full.unbind(0)))
+            else:
+                out[name] = full
+        out.update((name, buffer.detach().cpu()) for name, buffer in persistent_buffers(chunk))
     return out
+
+
+def persistent_buffers(chunk: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a state dict holds (e.g. routers' expert_bias; not rotary tables)."""
+    params = {name for name, _ in chunk.named_parameters()}
+    return [(name, value) for name, value in chunk.state_dict(keep_vars=True).items()
+            if name not in params]
+
+
+def full_names(name: str, param: torch.Tensor) -> list[str]:
+    """The full state dict's names for parameter `name`: itself, or one per stacked expert."""
+    keys = getattr(param, "expert_keys", None)
+    return [name] if keys is None else [f"{name.rsplit('.', 1)[0]}.{key}" for key in keys]
+
+
+def local_value(state: dict[str, torch.Tensor], name: str, param: torch.Tensor, group=None
+                ) -> torch.Tensor:
+    """This rank's TP slice of parameter (or buffer) `name` from a full state dict (stacked
+    experts from their per-expert entries); KeyError naming the first missing entry."""
+    keys = full_names(name, param)
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise KeyError(missing[0])
+    full = torch.stack([state[key] for key in keys]) if keys != [name] else state[name]
+    return shard_tensor_parallel(full.to(param.dtype), param, group)
 
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module | list[nn.Module], state: dict[str, torch.Tensor],
                          group=None, optional: tuple[str, ...] = ()) -> None:
-    """Fill every local parameter with its TP slice of `state` (no communication).
+    """Fill every local parameter and persistent buffer with its TP slice of `state` (no
+    communication).
 
-    Parameters whose names start with one of `optional` may be absent (they keep their
+    Entries whose names start with one of `optional` may be absent (they keep their
     initial values); any other missing key raises one clear KeyError naming the parameter.
     """
     for chunk in _chunks(model):
-        for name, param in chunk.named_parameters():
-            if name not in state and name.startswith(optional):
-                continue
-            if name not in state:
-                raise KeyError(f"state dict has no entry for parameter {name!r}")
-            param.copy_(shard_tensor_parallel(state[name].to(param.dtype), param, group))
+        for name, param in [*chunk.named_parameters(), *persistent_buffers(chunk)]:
+            try:
+                param.copy_(local_value(state, name, param, group))
+            except KeyError as error:
+                if name.startswith(optional):
+                    continue
+                raise KeyError(f"state dict has no entry for parameter {error.args[0]!r}") \
+                    from None
 
 
 def gather_pipeline_state_dict(state: dict[str, torch.Tensor], group=None

@@ -52,6 +52,13 @@ class MoESpec:
     capacity_factor: float | None
     shared_expert_size: int | None
     shared_expert_gate: bool
+    load_balancing_type: str
+    expert_bias: bool
+    bias_update_rate: float
+    num_groups: int | None
+    group_topk: int | None
+    topk_scaling_factor: float | None
+    grouped_gemm: bool
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ class TransformerSpec:
     hidden_dropout: float
     tie_output: bool
     moe: MoESpec | None = None
-    moe_layer_freq: int = 1
+    moe_layers: tuple[bool, ...] = ()  # per layer: MoE MLP or dense
 
     @classmethod
     def from_config(cls, c: ModelConfig) -> "TransformerSpec":
@@ -94,7 +101,10 @@ class TransformerSpec:
             c.hidden_size, c.num_experts, c.moe_ffn_hidden_size, c.moe_router_topk, activation,
             c.moe_router_score_function, c.moe_router_topk_renorm, c.moe_aux_loss_coeff,
             c.moe_z_loss_coeff, c.moe_expert_capacity_factor,
-            c.moe_shared_expert_intermediate_size, c.moe_shared_expert_gate)
+            c.moe_shared_expert_intermediate_size, c.moe_shared_expert_gate,
+            c.moe_router_load_balancing_type, c.moe_router_enable_expert_bias,
+            c.moe_router_bias_update_rate, c.moe_router_num_groups, c.moe_router_group_topk,
+            c.moe_router_topk_scaling_factor, c.moe_grouped_gemm)
         return cls(
             normalization=c.normalization, norm_epsilon=c.norm_epsilon,
             post_norm=c.post_layernorm, position_embedding=c.position_embedding_type,
@@ -105,7 +115,7 @@ class TransformerSpec:
             mlp=MLPSpec(c.hidden_size, c.ffn_hidden_size, activation, bias),
             hidden_dropout=c.hidden_dropout,
             tie_output=not c.untie_embeddings_and_output_weights, moe=moe,
-            moe_layer_freq=c.moe_layer_freq)
+            moe_layers=c.moe_layers)
 
     def attention_kwargs(self) -> dict:
         return asdict(self.attention)
@@ -114,8 +124,8 @@ class TransformerSpec:
         return asdict(self.mlp)
 
     def is_moe_layer(self, layer: int | None) -> bool:
-        """Whether global layer `layer` has the MoE MLP (every moe_layer_freq-th from 0)."""
-        return self.moe is not None and layer is not None and layer % self.moe_layer_freq == 0
+        """Whether global layer `layer` has the MoE MLP (--moe-layer-freq)."""
+        return self.moe is not None and layer is not None and self.moe_layers[layer]
 
     def moe_kwargs(self) -> dict:
         return asdict(self.moe)

@@ -81,8 +81,7 @@ class ParallelTransformerLayer(nn.Module):
         self.self_attention = ParallelAttention(**spec.attention_kwargs(), **kw)
         self.post_attention_layernorm = layer_norm(config, params_dtype, device,
                                                    sequence_parallel)
-        if spec.is_moe_layer(layer_number):  # the run layout refuses MoE with SP
-            kw.pop("sequence_parallel")
+        if spec.is_moe_layer(layer_number):
             self.mlp = MoELayer(**spec.moe_kwargs(), layer_number=layer_number,
                                 init_std=config.init_method_std, moe_state=moe_state, **kw)
         else:

@@ -9,7 +9,7 @@ DP x CP group (`get_data_parallel_group(with_context_parallel=True)`).
 Expert parallelism (EP) is carved out of DP as in Megatron-core: consecutive blocks of EP
 data-parallel ranks form an expert-model-parallel group (experts split over it), and the
 ranks with the same place in their block form the expert-data-parallel group (DP / EP ranks
-holding the same experts, over which expert grads are reduced). EP needs CP = 1.
+holding the same experts, over which expert grads are reduced; with CP, also over the CP group).
 """
 import datetime
 import itertools
@@ -55,9 +55,6 @@ class GridLayout:
         if dp % ep:
             raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel "
                              f"size ({dp}): EP ranks are carved out of DP")
-        if ep > 1 and cp > 1:
-            raise ValueError(f"--expert-model-parallel-size ({ep}) needs --context-parallel-size "
-                             f"1 (got {cp})")
         if v_shape and vpp != 2:
             raise ValueError(f"V-shape placement needs 2 model chunks per pipeline rank, got "
                              f"--vpp {vpp}")
@@ -133,8 +130,9 @@ class GridLayout:
                 for block in range(0, self.dp, self.ep)]
 
     def expert_data_groups(self) -> list[list[int]]:
-        """DP ranks at the same place of their EP block: they hold the same experts."""
-        return [group[i::self.ep] for group in self.data_groups() for i in range(self.ep)]
+        """DP x CP ranks at the same place of their EP block: they hold the same experts."""
+        return [[rank for i, rank in enumerate(group) if i // self.cp % self.ep == place]
+                for group in self.data_context_groups() for place in range(self.ep)]
 
 
 class _ProcessGroups:
@@ -393,7 +391,7 @@ def get_expert_model_parallel_group():
 
 
 def get_expert_data_parallel_group():
-    """The DP / EP ranks holding the same experts (expert grads are reduced here); with
+    """The DP / EP x CP ranks holding the same experts (expert grads are reduced here); with
     EP = 1 the DP x CP group."""
     return _group("expert_dp_group" if get_expert_model_parallel_world_size() > 1
                   else "dp_cp_group")
@@ -408,5 +406,6 @@ def get_expert_model_parallel_rank() -> int:
 
 
 def get_expert_data_parallel_rank() -> int:
-    return get_data_parallel_rank(with_context_parallel=True) \
-        // get_expert_model_parallel_world_size()
+    """Rank in the expert-data-parallel group (DP / EP x CP ranks)."""
+    return get_data_parallel_rank() // get_expert_model_parallel_world_size() \
+        * get_context_parallel_world_size() + get_context_parallel_rank()

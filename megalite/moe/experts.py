@@ -1,0 +1,91 @@
+"""Grouped experts (--moe-grouped-gemm): a layer's local experts as two stacked weights, run
+as one grouped matmul per projection over the rows sorted by expert.
+
+weight1 [E_local, (2 x) ffn/tp, h] and weight2 [E_local, h, ffn/tp] hold, slice by slice, the
+TP shards ParallelMLP's dense_h_to_4h / dense_4h_to_h would hold for each expert (SwiGLU:
+[gate; up] halves). `expert_keys` names each slice as the per-expert parameter
+(`{e}.dense_h_to_4h.weight`), so full state dicts, checkpoints and HF mappings see the same
+names as with looped experts, and a checkpoint of one form loads into the other
+(megalite.models.sharding). The matmul backend is chosen once at construction:
+`torch._grouped_mm` where it runs for the device, dtype and shapes (on CPU it needs row
+strides of 16 bytes), else a loop of one matmul per expert.
+"""
+import functools
+
+import torch
+from torch import nn
+
+from megalite.mpu.mlp import ParallelMLP
+from megalite.mpu.weight_grad import linear
+
+_STACKED_ATTRIBUTES = ("tensor_model_parallel", "partition_stride", "tp_replicas")
+
+
+class GroupedExperts(nn.Module):
+    """forward(rows [M, h] grouped by local expert, counts (host list of E_local)) -> this TP
+    rank's partial outputs [M, h]."""
+
+    def __init__(self, experts: dict[str, ParallelMLP]) -> None:
+        super().__init__()
+        mlps = list(experts.values())
+        self.activation = mlps[0].activation
+        for name, source in (("weight1", "dense_h_to_4h"), ("weight2", "dense_4h_to_h")):
+            weights = [getattr(mlp, source).weight for mlp in mlps]
+            param = nn.Parameter(torch.stack([w.detach() for w in weights]))
+            for attribute in _STACKED_ATTRIBUTES:
+                setattr(param, attribute, getattr(weights[0], attribute))
+            param.partition_dim = weights[0].partition_dim + 1
+            param.expert_keys = [f"{e}.{source}.weight" for e in experts]
+            self.register_parameter(name, param)
+        self.use_grouped_mm = grouped_mm_runs(self.weight1.device, self.weight1.dtype,
+                                              tuple(self.weight1.shape[1:]),
+                                              tuple(self.weight2.shape[1:]))
+
+    def activate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """ParallelMLP's activation (SwiGLU on [gate; up] halves, or GeLU)."""
+        return ParallelMLP.activate(self, hidden)
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if not self.use_grouped_mm:
+            return torch.cat([linear(self.activate(linear(part, w1)), w2) for part, w1, w2
+                              in zip(rows.split(counts), self.weight1, self.weight2)])
+        offsets = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+        hidden = _GroupedLinear.apply(rows, self.weight1, offsets)
+        return _GroupedLinear.apply(self.activate(hidden), self.weight2, offsets)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """x [M, in] (rows of expert e in offsets[e-1]:offsets[e]), weight [E, out, in] -> [M, out];
+    backward by grouped matmuls too (autograd's own formula does not run on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets):
+        ctx.save_for_backward(x, weight, offsets)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, weight, offs=offsets)
+        grad_weight = torch._grouped_mm(grad.t(), x, offs=offsets)
+        return grad_x, grad_weight, None
+
+
+@functools.cache
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype,
+                    *shapes: tuple[int, int]) -> bool:
+    """Whether `torch._grouped_mm` runs forward and backward for weights of these [out, in]
+    shapes on `device` in `dtype` (tried once on a small problem, with an empty group)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        for out, inner in shapes:
+            x = torch.zeros(3, inner, device=device, dtype=dtype, requires_grad=True)
+            w = torch.zeros(2, out, inner, device=device, dtype=dtype, requires_grad=True)
+            offsets = torch.tensor([0, 3], device=device, dtype=torch.int32)
+            _GroupedLinear.apply(x, w, offsets).sum().backward()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
