@@ -154,8 +154,9 @@ def _reference(dp: int) -> dict:
         loads = loads + layer.moe_state.rows[0][3:]
         layer.moe_state.rows.clear()
     bias = layer.router.expert_bias + RATE * torch.sign(loads.mean() - loads)
+    want = dict(outs=outs, x_grads=x_grads, grads=full_grads(layer), bias=bias)
     ps.destroy_model_parallel()
-    return dict(outs=outs, x_grads=x_grads, grads=full_grads(layer), bias=bias)
+    return want
 
 
 def _parallel(tp: int, cp: int, grouped: bool, want: dict) -> dict:
@@ -183,7 +184,7 @@ def _parallel(tp: int, cp: int, grouped: bool, want: dict) -> dict:
     errors = {"out": rel_err(out, want["outs"][d][part]),
               "x grad": rel_err(x.grad / cp, want["x_grads"][d][part]),
               "grads": max(rel_err(grads[n], want["grads"][n]) for n in grads),
-              "names": sorted(grads) == sorted(want["grads"]),
+              "names": set(grads) < set(want["grads"]),  # this EP rank's experts
               "bias": (layer.router.expert_bias - want["bias"]).abs().max().item()}
     ps.destroy_model_parallel()
     return errors

@@ -151,7 +151,7 @@ def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int, group=None, ga
         mine = sum(plan.recv_splits)
         ungrouped = _AllToAll.apply(ungrouped, [mine] * len(plan.gather_splits),
                                     plan.gather_splits, gather)
-        ungrouped = ungrouped.view(len(plan.gather_splits), mine, -1).sum(0)
+        ungrouped = ungrouped.view(len(plan.gather_splits), mine, y.shape[-1]).sum(0)
     returned = _AllToAll.apply(ungrouped, plan.send_splits, plan.recv_splits, group)
     weighted = returned * plan.weights.to(returned.dtype).unsqueeze(-1)
     out = weighted.new_zeros((num_tokens, y.shape[-1]))
