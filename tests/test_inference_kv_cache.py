@@ -3,8 +3,9 @@
 A batch of three prompts of different lengths (left-padded) is prefilled, then six forced
 tokens are decoded one at a time with the cache. At every step each row's next-token
 logits must equal those of that row alone (no padding, no mask, no cache) recomputed over
-its whole sequence so far: GPT-2 and Llama (RMSNorm, RoPE, SwiGLU, GQA, untied) specs, at
-TP 1, TP 2 and PP 2 on two ranks, fp32, within 1e-5 relative.
+its whole sequence so far: GPT-2, Llama (RMSNorm, RoPE, SwiGLU, GQA, untied) and a DeepSeek-V3
+style MoE (dense first layer, sigmoid group-limited routing, grouped experts, shared expert)
+specs, at TP 1, TP 2 and PP 2 on two ranks, fp32, within 1e-5 relative.
 """
 import torch
 
@@ -23,6 +24,13 @@ SPECS = {
     "llama": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
                   group_query_attention=True, num_query_groups=2, disable_bias_linear=True,
                   untie_embeddings_and_output_weights=True),
+    "deepseek-moe": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                         disable_bias_linear=True, num_experts=8, moe_ffn_hidden_size=16,
+                         moe_layer_freq="[0]+[1]", moe_router_score_function="sigmoid",
+                         moe_router_topk_renorm=True, moe_router_num_groups=4,
+                         moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                         moe_router_enable_expert_bias=True, moe_grouped_gemm=True,
+                         moe_shared_expert_intermediate_size=16),
 }
 
 

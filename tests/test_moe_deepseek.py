@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from megalite.device import current_device
-from megalite.models.sharding import full_names, load_full_state_dict
+from megalite.hf.moe import deepseek_moe_block_state
+from megalite.models.sharding import full_names, full_state_dict, load_full_state_dict
 from megalite.moe import MoELayer, update_expert_bias
 from megalite.mpu import comm
 from megalite.mpu.layers import gather_tensor_parallel
@@ -57,16 +58,8 @@ def test_deepseek_v3_routing_equals_transformers_moe_block(device):
                               norm_topk_prob=True, hidden_act="silu")
     layer = _layer(device)
     hf = DeepseekV3MoE(config).to(device)
-    with torch.no_grad():
-        hf.gate.weight.copy_(layer.router.weight)
-        hf.gate.e_score_correction_bias.copy_(layer.router.expert_bias)
-        experts = list(layer.local_experts.values())
-        hf.experts.gate_up_proj.copy_(torch.stack([m.dense_h_to_4h.weight for m in experts]))
-        hf.experts.down_proj.copy_(torch.stack([m.dense_4h_to_h.weight for m in experts]))
-        gate, up = layer.shared_experts.dense_h_to_4h.weight.chunk(2)
-        hf.shared_experts.gate_proj.weight.copy_(gate)
-        hf.shared_experts.up_proj.weight.copy_(up)
-        hf.shared_experts.down_proj.weight.copy_(layer.shared_experts.dense_4h_to_h.weight)
+    hf.load_state_dict(deepseek_moe_block_state(full_state_dict(layer), E))
+    experts = list(layer.local_experts.values())
     x = torch.randn(6, 3, H, generator=torch.Generator().manual_seed(1)).to(device)
     g = torch.randn(6, 3, H, generator=torch.Generator().manual_seed(2)).to(device)
     ours, theirs = x.clone().requires_grad_(), x.transpose(0, 1).contiguous().requires_grad_()
@@ -91,21 +84,34 @@ def test_deepseek_v3_routing_equals_transformers_moe_block(device):
 
 
 def test_grouped_experts_equal_looped_and_checkpoints_cross_load(device):
-    looped, grouped = _layer(device), _layer(device, grouped_gemm=True)
+    """Each backend of the grouped experts: torch._grouped_mm (forced: it runs on CPU too),
+    the padded batched matmul, and its per-expert fallback (a bias that sends every token to
+    experts 0 and 1: padding would quadruple the rows)."""
+    from megalite.moe.experts import grouped_mm_runs
     x = torch.randn(8, 2, H, generator=torch.Generator().manual_seed(3)).to(device)
-    outs = []
-    for layer in (looped, grouped):
-        inp = x.clone().requires_grad_()
-        out = layer(inp)
-        out.square().sum().backward()
-        outs.append((out, inp.grad, full_grads(layer)))
-    (a, a_grad, a_grads), (b, b_grad, b_grads) = outs
-    assert rel_err(a, b) < 1e-6 and rel_err(a_grad, b_grad) < 1e-6
-    assert sorted(a_grads) == sorted(b_grads)
-    for name in a_grads:
-        assert rel_err(a_grads[name], b_grads[name]) < 1e-6, name
+    skewed = torch.tensor([10.0, 10.0] + [0.0] * (E - 2), device=device)
+    zero = torch.zeros(E, device=device)  # busiest expert: 7 of 32 rows, padded to 56 <= 64
+    for backend, bias in (("grouped_mm", zero), ("padded", zero), ("loop", skewed)):
+        looped, grouped = _layer(device), _layer(device, grouped_gemm=True)
+        grouped.local_experts.use_grouped_mm = backend == "grouped_mm"
+        if backend == "grouped_mm":
+            assert grouped_mm_runs(torch.device(device), torch.float32, (2 * FFN, H), (H, FFN))
+        outs = []
+        for layer in (looped, grouped):
+            layer.router.expert_bias.copy_(bias)
+            inp = x.clone().requires_grad_()
+            out = layer(inp)
+            out.square().sum().backward()
+            outs.append((out, inp.grad, full_grads(layer)))
+        (a, a_grad, a_grads), (b, b_grad, b_grads) = outs
+        busiest = grouped.moe_state.rows[0][3:].max().item()
+        assert (busiest * E <= 2 * x.numel() // H * K) == (backend != "loop"), busiest
+        assert rel_err(a, b) < 1e-6 and rel_err(a_grad, b_grad) < 1e-6, backend
+        assert sorted(a_grads) == sorted(b_grads)
+        for name in a_grads:
+            assert rel_err(a_grads[name], b_grads[name]) < 1e-6, (backend, name)
     # a state dict of each form loads into the other (per-expert names, bias buffer included)
-    state = {f"{k}": v for k, v in _state(grouped).items()}
+    state = full_state_dict(grouped)
     assert "router.expert_bias" in state and "local_experts.3.dense_4h_to_h.weight" in state
     other = _layer(device, expert_bias=True)
     with torch.no_grad():
@@ -113,17 +119,12 @@ def test_grouped_experts_equal_looped_and_checkpoints_cross_load(device):
             p.zero_()
         other.router.expert_bias.zero_()
     load_full_state_dict(other, state)
-    assert all(torch.equal(v, _state(other)[k]) for k, v in state.items())
+    assert all(torch.equal(v, full_state_dict(other)[k]) for k, v in state.items())
     fresh = _layer(device, grouped_gemm=True)
     with torch.no_grad():
         fresh.local_experts.weight1.zero_()
-    load_full_state_dict(fresh, _state(looped))
+    load_full_state_dict(fresh, full_state_dict(looped))
     assert torch.equal(fresh.local_experts.weight1, grouped.local_experts.weight1)
-
-
-def _state(layer: MoELayer) -> dict[str, torch.Tensor]:
-    from megalite.models.sharding import full_state_dict
-    return full_state_dict(layer)
 
 
 # --- 4 ranks: TP2 + SP x EP2 and CP2 x EP2 vs the one-process layer -----------------------

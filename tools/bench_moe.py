@@ -1,8 +1,11 @@
 """MoE training step: megalite vs transformers' Mixtral, and vs the dense model with the same
-active parameters (fp32, one process, CPU or one GPU).
+active parameters (fp32, one process, CPU or one GPU); with --deepseek-block, the
+DeepSeek-V3 MoE block alone: megalite's grouped experts vs its per-expert loop vs
+transformers' DeepseekV3MoE (each of its expert implementations that runs), same weights.
 
     python tools/bench_moe.py                      # 2 layers, h 256, 8 experts, top-2
     python tools/bench_moe.py --device cuda --hidden-size 1024 --seq-length 1024
+    python tools/bench_moe.py --deepseek-block --num-experts 64 --topk 6 --moe-ffn-hidden-size 128
 
 Same random weights in all MoE models (a transformers MixtralForCausalLM built from a config,
 copied into megalite with megalite.hf.moe; nothing is downloaded); transformers runs twice:
@@ -24,9 +27,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.hf.moe import moe_config, moe_to_megalite  # noqa: E402
+from megalite.hf.moe import deepseek_moe_block_state, moe_config, moe_to_megalite  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
-from megalite.models.sharding import load_full_state_dict  # noqa: E402
+from megalite.models.sharding import full_state_dict, load_full_state_dict  # noqa: E402
+from megalite.moe import MoELayer  # noqa: E402
 from megalite.moe.dispatcher import combine, dispatch, plan_dispatch  # noqa: E402
 from megalite.moe.router import load_balancing_loss, z_loss  # noqa: E402
 
@@ -46,6 +50,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--deepseek-block", action="store_true",
+                   help="time the DeepSeek-V3 MoE block alone (sigmoid, groups, shared expert)")
+    p.add_argument("--num-groups", type=int, default=8, help="--deepseek-block: n_group")
+    p.add_argument("--group-topk", type=int, default=4, help="--deepseek-block: topk_group")
     return p.parse_args()
 
 
@@ -109,9 +117,88 @@ def routing_time(layer, x, device, repeats: int = 5) -> float:
     return statistics.median(timed(once, device) for _ in range(repeats))
 
 
+def deepseek_block(args, device) -> None:
+    """Step (forward, backward of <out, g>, AdamW) of one DeepSeek-V3 MoE block on b x s
+    tokens: megalite grouped vs looped experts vs transformers' DeepseekV3MoE."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    h, experts, ffn = args.hidden_size, args.num_experts, args.moe_ffn_hidden_size
+    kw = dict(score_function="sigmoid", renormalize=True, num_groups=args.num_groups,
+              group_topk=args.group_topk, topk_scaling_factor=2.5, expert_bias=True,
+              shared_expert_size=ffn, device=device)
+    ours = {}
+    for name, grouped in (("megalite grouped experts", True), ("megalite looped experts", False)):
+        torch.manual_seed(0)
+        ours[name] = MoELayer(h, experts, ffn, args.topk, grouped_gemm=grouped, **kw)
+    backend = "torch._grouped_mm" if ours["megalite grouped experts"].local_experts \
+        .use_grouped_mm else "padded batched matmul"
+    state = deepseek_moe_block_state(full_state_dict(ours["megalite looped experts"]), experts)
+    theirs = {}
+    for impl in ("grouped_mm", "eager"):  # batched_mm gathers [k, ffn, h] per token: slow
+        config = DeepseekV3Config(hidden_size=h, moe_intermediate_size=ffn,
+                                  n_routed_experts=experts, num_experts_per_tok=args.topk,
+                                  n_group=args.num_groups, topk_group=args.group_topk,
+                                  n_shared_experts=1, routed_scaling_factor=2.5,
+                                  norm_topk_prob=True, experts_implementation=impl)
+        block = DeepseekV3MoE(config)
+        block.load_state_dict(state)
+        theirs[f"transformers DeepseekV3MoE {impl}"] = block.to(device)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.seq_length, args.micro_batch_size, h, generator=gen).to(device)
+    g = torch.randn(args.seq_length, args.micro_batch_size, h, generator=gen).to(device)
+
+    def step_of(module, transpose: bool):
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+        inp, grad = (x.transpose(0, 1).contiguous(), g.transpose(0, 1)) if transpose else (x, g)
+
+        def step() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            out = module(inp)
+            (out * grad).sum().backward()
+            opt.step()
+            return out.transpose(0, 1) if transpose else out
+        return step
+    steps = {**{n: step_of(m, False) for n, m in ours.items()},
+             **{n: step_of(m, True) for n, m in theirs.items()}}
+    first, errors = {}, {}
+    for name in list(steps):
+        try:
+            first[name] = steps[name]().detach()
+        except RuntimeError as error:  # e.g. grouped_mm's backward on CPU
+            errors[name] = str(error).splitlines()[0][:60]
+            del steps[name]
+    ref = first["megalite looped experts"]
+    times = {name: [] for name in steps}
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    for i in range(args.steps):
+        for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+            times[name].append(timed(steps[name], device))
+    tokens = args.seq_length * args.micro_batch_size
+    print(f"device {device}, threads {torch.get_num_threads()}, fp32 | DeepSeek-V3 MoE block: "
+          f"h {h}, {experts} experts top-{args.topk} of {args.group_topk}/{args.num_groups} "
+          f"groups, expert ffn {ffn}, 1 shared | {tokens} tokens | megalite grouped backend: "
+          f"{backend}")
+    print(f"{'block':40s} {'ms/step':>9s} {'tokens/s':>10s} {'out rel err':>12s}")
+    median = {name: statistics.median(t) for name, t in times.items()}
+    for name, t in median.items():
+        err = ((first[name] - ref).abs().max() / ref.abs().max()).item()
+        print(f"{name:40s} {1000 * t:9.1f} {tokens / t:10.0f} {err:12.1e}")
+    for name, error in errors.items():
+        print(f"{name:40s} fails: {error}")
+    best = min(t for n, t in median.items() if n.startswith("transformers"))
+    print(f"megalite grouped / fastest transformers tokens/s: "
+          f"{best / median['megalite grouped experts']:.2f}x (target >= 1.3x); grouped / looped: "
+          f"{median['megalite looped experts'] / median['megalite grouped experts']:.2f}x")
+
+
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
+    if args.deepseek_block:
+        deepseek_block(args, device)
+        return
     hf = hf_mixtral(args)
     hf.config._attn_implementation = "sdpa"
     hf_loop = hf_mixtral(args)  # the same weights, experts run one by one

@@ -143,6 +143,23 @@ def megalite_to_moe(state: dict[str, torch.Tensor], config: ModelConfig
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def deepseek_moe_block_state(state: dict[str, torch.Tensor], num_experts: int
+                             ) -> dict[str, torch.Tensor]:
+    """transformers' DeepseekV3MoE state dict from one megalite MoE layer's full state dict
+    (names relative to the layer: router with expert bias, per-expert weights, shared
+    expert): the block-level mapping of the DeepSeek-V3 family."""
+    gate, up = state["shared_experts.dense_h_to_4h.weight"].chunk(2)
+    return {
+        "gate.weight": state["router.weight"],
+        "gate.e_score_correction_bias": state["router.expert_bias"],
+        "experts.gate_up_proj": torch.stack([state[f"local_experts.{e}.dense_h_to_4h.weight"]
+                                             for e in range(num_experts)]),
+        "experts.down_proj": torch.stack([state[f"local_experts.{e}.dense_4h_to_h.weight"]
+                                          for e in range(num_experts)]),
+        "shared_experts.gate_proj.weight": gate, "shared_experts.up_proj.weight": up,
+        "shared_experts.down_proj.weight": state["shared_experts.dense_4h_to_h.weight"]}
+
+
 def save_moe_dir(directory: str, state: dict[str, torch.Tensor], config: ModelConfig) -> None:
     """Write config.json + model.safetensors that `AutoModelForCausalLM.from_pretrained`
     loads as Mixtral or Qwen2-MoE. `state`: a full megalite state dict of all stages."""

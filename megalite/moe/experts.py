@@ -7,8 +7,11 @@ TP shards ParallelMLP's dense_h_to_4h / dense_4h_to_h would hold for each expert
 (`{e}.dense_h_to_4h.weight`), so full state dicts, checkpoints and HF mappings see the same
 names as with looped experts, and a checkpoint of one form loads into the other
 (megalite.models.sharding). The matmul backend is chosen once at construction:
-`torch._grouped_mm` where it runs for the device, dtype and shapes (on CPU it needs row
-strides of 16 bytes), else a loop of one matmul per expert.
+`torch._grouped_mm` on a GPU where it runs for the dtype and shapes; elsewhere one batched
+matmul over the rows padded to the busiest expert's count (torch 2.13's CPU `_grouped_mm`
+runs, but as one small matmul per expert: no faster than the loop, see README "Mixture of
+experts"), or, when padding would more than double the rows, one matmul per expert. Weight
+grads are not deferred to zero-bubble W steps here (they are with looped experts).
 """
 import functools
 
@@ -37,21 +40,37 @@ class GroupedExperts(nn.Module):
             param.partition_dim = weights[0].partition_dim + 1
             param.expert_keys = [f"{e}.{source}.weight" for e in experts]
             self.register_parameter(name, param)
-        self.use_grouped_mm = grouped_mm_runs(self.weight1.device, self.weight1.dtype,
-                                              tuple(self.weight1.shape[1:]),
-                                              tuple(self.weight2.shape[1:]))
+        device = self.weight1.device
+        self.use_grouped_mm = device.type == "cuda" and grouped_mm_runs(
+            device, self.weight1.dtype, tuple(self.weight1.shape[1:]),
+            tuple(self.weight2.shape[1:]))
 
     def activate(self, hidden: torch.Tensor) -> torch.Tensor:
         """ParallelMLP's activation (SwiGLU on [gate; up] halves, or GeLU)."""
         return ParallelMLP.activate(self, hidden)
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        if not self.use_grouped_mm:
-            return torch.cat([linear(self.activate(linear(part, w1)), w2) for part, w1, w2
-                              in zip(rows.split(counts), self.weight1, self.weight2)])
-        offsets = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-        hidden = _GroupedLinear.apply(rows, self.weight1, offsets)
-        return _GroupedLinear.apply(self.activate(hidden), self.weight2, offsets)
+        if self.use_grouped_mm:
+            offsets = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+            hidden = _GroupedLinear.apply(rows, self.weight1, offsets)
+            return _GroupedLinear.apply(self.activate(hidden), self.weight2, offsets)
+        busiest = max(counts)
+        if busiest * len(counts) <= 2 * rows.shape[0]:
+            return self._padded(rows, counts, busiest)
+        return torch.cat([linear(self.activate(linear(part, w1)), w2) for part, w1, w2
+                          in zip(rows.split(counts), self.weight1, self.weight2)])
+
+    def _padded(self, rows: torch.Tensor, counts: list[int], busiest: int) -> torch.Tensor:
+        """Rows [M, h] -> [M, h] by two batched matmuls over [E_local, busiest, .] blocks."""
+        experts, dev = len(counts), rows.device
+        sizes = torch.tensor(counts, device=dev)
+        shift = torch.arange(experts, device=dev) * busiest - (sizes.cumsum(0) - sizes)
+        slot = torch.arange(rows.shape[0], device=dev) + torch.repeat_interleave(
+            shift, sizes, output_size=rows.shape[0])  # row i of expert e -> e * busiest + i
+        blocks = rows.new_zeros(experts * busiest, rows.shape[1]).index_copy(0, slot, rows)
+        hidden = torch.bmm(blocks.view(experts, busiest, -1), self.weight1.transpose(1, 2))
+        out = torch.bmm(self.activate(hidden), self.weight2.transpose(1, 2))
+        return out.reshape(experts * busiest, -1).index_select(0, slot)
 
 
 class _GroupedLinear(torch.autograd.Function):
