@@ -34,7 +34,7 @@ def _layer(device, **kw) -> MoELayer:
     torch.manual_seed(0)
     layer = MoELayer(H, E, FFN, K, device=device, **{**DEEPSEEK, **kw})
     with torch.no_grad():  # a bias that changes the choice of some tokens
-        layer.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, E))
+        layer.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, E, device=device))
     return layer
 
 
