@@ -37,3 +37,32 @@ def test_moe_loss_curve_ep2_pp2_dp2_equals_single_process(tmp_path, layout, tole
         assert rel_err(torch.tensor(parallel[it]), torch.tensor(single[it])) < tolerance, \
             (single, parallel)
     print("MoE loss curve single vs", " ".join(layout), single, parallel)
+
+
+DEEPSEEK_FLAGS = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+                  "--ffn-hidden-size", "48", "--disable-bias-linear", "--num-experts", "8",
+                  "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+                  "--moe-shared-expert-intermediate-size", "16", "--moe-layer-freq",
+                  "[0]*2+[1]*2", "--moe-router-score-function", "sigmoid",
+                  "--moe-router-topk-renorm", "--moe-router-topk-scaling-factor", "2.5",
+                  "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+                  "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
+                  "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
+                  "0.01", "--moe-grouped-gemm", "--hidden-dropout", "0",
+                  "--attention-dropout", "0"]
+
+
+def test_deepseek_moe_loss_curve_cp2_ep2_equals_single_process(tmp_path):
+    """DeepSeek-V3 routing (first 2 of 4 layers dense, sigmoid group-limited top-2, scaling,
+    expert bias moved by 0.05 a step, so later steps route differently, sequence-wise aux
+    loss, grouped experts) at CP2 x DP2 x EP2 (4 ranks): the loss curve of one process."""
+    prefix = make_dataset(str(tmp_path))
+    single = run_on_ranks(1, train, tiny_args(prefix, f"{tmp_path}/single", 3,
+                                              *DEEPSEEK_FLAGS))[0]
+    parallel = run_on_ranks(4, train, tiny_args(prefix, f"{tmp_path}/parallel", 3,
+                                                *DEEPSEEK_FLAGS, "--cp", "2", "--ep", "2"))[0]
+    assert sorted(single) == sorted(parallel) == [1, 2, 3]
+    for it in single:
+        assert rel_err(torch.tensor(parallel[it]), torch.tensor(single[it])) < 1e-5, \
+            (single, parallel)
+    print("DeepSeek MoE loss curve single vs CP2 x DP2 x EP2", single, parallel)

@@ -61,7 +61,11 @@ def moe_family(config: ModelConfig) -> str:
                                                         config.moe_layer_freq != 1),
         ("--moe-router-score-function softmax", config.moe_router_score_function != "softmax"),
         ("no --moe-expert-capacity-factor (dropless)",
-         config.moe_expert_capacity_factor is not None)) if bad]
+         config.moe_expert_capacity_factor is not None),
+        ("no DeepSeek-V3 routing flags (--moe-router-num-groups, "
+         "--moe-router-topk-scaling-factor, --moe-router-enable-expert-bias)",
+         config.moe_router_num_groups is not None or config.moe_router_enable_expert_bias
+         or config.moe_router_topk_scaling_factor is not None)) if bad]
     shared = config.moe_shared_expert_intermediate_size is not None
     if shared and not config.moe_shared_expert_gate:
         problems.append("--moe-shared-expert-gate with a shared expert (Qwen2-MoE)")

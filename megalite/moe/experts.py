@@ -62,15 +62,16 @@ class GroupedExperts(nn.Module):
 
     def _padded(self, rows: torch.Tensor, counts: list[int], busiest: int) -> torch.Tensor:
         """Rows [M, h] -> [M, h] by two batched matmuls over [E_local, busiest, .] blocks."""
-        experts, dev = len(counts), rows.device
+        (experts, dev), hidden_size = (len(counts), rows.device), rows.shape[1]
         sizes = torch.tensor(counts, device=dev)
         shift = torch.arange(experts, device=dev) * busiest - (sizes.cumsum(0) - sizes)
         slot = torch.arange(rows.shape[0], device=dev) + torch.repeat_interleave(
             shift, sizes, output_size=rows.shape[0])  # row i of expert e -> e * busiest + i
-        blocks = rows.new_zeros(experts * busiest, rows.shape[1]).index_copy(0, slot, rows)
-        hidden = torch.bmm(blocks.view(experts, busiest, -1), self.weight1.transpose(1, 2))
+        blocks = rows.new_zeros(experts * busiest, hidden_size).index_copy(0, slot, rows)
+        hidden = torch.bmm(blocks.view(experts, busiest, hidden_size),
+                           self.weight1.transpose(1, 2))
         out = torch.bmm(self.activate(hidden), self.weight2.transpose(1, 2))
-        return out.reshape(experts * busiest, -1).index_select(0, slot)
+        return out.reshape(experts * busiest, hidden_size).index_select(0, slot)
 
 
 class _GroupedLinear(torch.autograd.Function):
