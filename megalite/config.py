@@ -318,6 +318,11 @@ class DataConfig:
     data_cache_dir: str | None = arg(None, "where sample indices are cached (default: beside data)")
     num_workers: int | None = arg(None, "processes that build the batches (0: the training "
                                         "process; default 1 on CUDA, 0 on the CPU)")
+    reset_position_ids: bool = arg(False, "positions restart after each end-of-document token")
+    reset_attention_mask: bool = arg(False, "no attention across end-of-document tokens "
+                                            "(each packed document attends to itself)")
+    eod_mask_loss: bool = arg(False, "no loss on the prediction made at an end-of-document "
+                                     "token (the next document's first token)")
 
 
 @dataclass
