@@ -376,6 +376,29 @@ class FinetuneConfig:
                                  "(BertForSequenceClassification + tokenizer)")
 
 
+@dataclass
+class SFTConfig:
+    """Chat (supervised) finetuning of a GPT-family model (finetune_gpt.py)."""
+
+    pretrained: str | None = arg(
+        None, "the model to finetune: a megalite checkpoint directory, a transformers directory, "
+        "a .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct, shipped offline)",
+        aliases=("--gguf",))
+    train_data: str | None = arg(None, "JSONL of {\"messages\": [...]} or {\"prompt\", "
+                                       "\"completion\"} records (default: the built-in set)")
+    valid_data: str | None = arg(None, "held-out JSONL (required with --train-data)")
+    epochs: int = arg(1, "passes over the training conversations")
+    packing: bool = arg(True, "pack several conversations per sequence with document masks "
+                              "(--no-packing: one per sequence, padded)", negatable=True)
+    loss_on_all_tokens: bool = arg(False, "loss on every token, not only the assistant's")
+    overlong: str = arg("truncate", "a conversation longer than --seq-length + 1 tokens",
+                        choices=("truncate", "drop"))
+    lr_warmup_fraction: float = arg(0.1, "linear warm-up over this fraction of all steps "
+                                    "(when --lr-warmup-iters is 0)")
+    export_dir: str | None = arg(None, "write the finetuned model here as a transformers "
+                                 "directory with its tokenizer and chat template")
+
+
 # Smallest accepted value of numeric flags, checked before any config is built (so a zero
 # never reaches a division): one table for every config class. The parallel sizes are the run
 # layout's to check (megalite.layout), with the rules between them.
@@ -488,6 +511,7 @@ class Configs:
     data: DataConfig
     checkpoint: CheckpointConfig
     finetune: FinetuneConfig | None = None
+    sft: SFTConfig | None = None
     explicit: frozenset[str] = frozenset()  # fields set on the command line (not defaults)
 
 

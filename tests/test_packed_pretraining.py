@@ -62,8 +62,13 @@ def reference(hf, tokens: torch.Tensor, to_megalite) -> dict:
     return {"loss": loss.item(), "grads": grads}
 
 
-def _fields(batch: dict) -> dict:
-    return next(with_document_layout(iter([dict(batch)]), EOD, True, True, True))
+def _batches(tokens: torch.Tensor):
+    """batches(dp_rank, dp) for parallel_step: packed-document fields added to each."""
+    def batches(dp_rank: int, dp: int) -> list[dict]:
+        rows = tokens.split(MICROBATCHES * MICRO)[dp_rank]
+        return list(with_document_layout(({"tokens": t} for t in rows.split(MICRO)), EOD,
+                                         True, True, True))
+    return batches
 
 
 def _all() -> dict:
@@ -79,9 +84,8 @@ def _all() -> dict:
         want = reference(hf, tokens, to_megalite)
         for name, (tp, pp, cp, sp) in LAYOUTS.items():
             dp = 4 // (tp * pp * cp)
-            got = parallel_step(config, tp, pp, cp, sp, tokens=tokens[:dp * MICROBATCHES * MICRO],
-                                load=lambda chunks: load(chunks, hf.state_dict(), config),
-                                batch_fields=_fields)
+            got = parallel_step(config, tp, pp, cp, sp, batches=_batches(tokens),
+                                load=lambda chunks: load(chunks, hf.state_dict(), config))
             rows = reference(hf, tokens[:dp * MICROBATCHES * MICRO], to_megalite) \
                 if dp != 4 else want
             out[f"{model_name} {name}"] = {

@@ -8,10 +8,13 @@ position inside its document. `with_document_layout` adds what the flags --reset
 
 Finetuning: `pack_examples` places variable-length examples (token ids and a per-token loss
 flag) into rows of a fixed length, first fit in the given order, with the same per-row
-fields (host arrays); `pad_examples` puts one example per row instead.
+fields (host arrays); `pad_examples` puts one example per row instead;
+`token_weighted_batches` cuts global batches of rows into microbatches whose losses add up to
+the mean over every loss-bearing token of the global batch.
 
 Batch fields (all optional but "tokens"): tokens [b, s + 1]; position_ids, document_ids,
-loss_mask [b, s] (for the inputs tokens[:, :-1] and the labels tokens[:, 1:]).
+loss_mask [b, s] (for the inputs tokens[:, :-1] and the labels tokens[:, 1:]); a 0-d
+loss_denominator (see pretrain_gpt.forward_step).
 """
 from collections.abc import Iterator, Sequence
 
@@ -92,3 +95,29 @@ def pad_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_length: 
 
 def _stack(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(np.stack([row[name] for row in rows])) for name in rows[0]}
+
+
+def pad_rows(rows: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """Append copies of row 0 without loss up to a multiple of `multiple` rows."""
+    extra = -len(rows["tokens"]) % multiple
+    padded = {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:])]) for k, v in rows.items()}
+    padded["loss_mask"][len(rows["tokens"]):] = 0
+    return padded
+
+
+def token_weighted_batches(rows: dict[str, torch.Tensor], orders: Iterator[torch.Tensor],
+                           micro_batch_size: int, dp_rank: int, dp: int, divisor: int,
+                           total_tokens: float | None = None) -> Iterator[dict]:
+    """This DP rank's microbatches of each global batch of row indices `orders` yields
+    (microbatch j of rank d: rows [(j dp + d) micro, ... + micro) of it, as the samplers cut
+    them), each with loss_denominator = the loss-bearing tokens of its global batch (or
+    `total_tokens`) / `divisor`. With divisor = microbatches x DP x CP (the values the loop
+    averages) the loss is the mean over every loss-bearing token of the global batch,
+    whatever the packing, microbatching and layout."""
+    for chosen in orders:
+        tokens = rows["loss_mask"][chosen].sum() if total_tokens is None else \
+            torch.tensor(total_tokens)
+        denominator = tokens.float().clamp(min=1) / divisor
+        for start in range(dp_rank * micro_batch_size, len(chosen), dp * micro_batch_size):
+            take = chosen[start:start + micro_batch_size]
+            yield {**{k: v[take] for k, v in rows.items()}, "loss_denominator": denominator}
