@@ -2,8 +2,8 @@
 docstrings, built on the fly from the running Python (nothing to download).
 
 Each public function or class of a few stdlib modules that has a docstring becomes one
-conversation: the user asks what `module.name` does, the assistant answers with its
-signature and the first paragraph of its documentation. A stable hash of the name holds out
+conversation: after a short system prompt the user asks what `module.name` does, the
+assistant answers with its signature and the first paragraph of its documentation. A stable hash of the name holds out
 about one in eight for validation.
 """
 import importlib
@@ -14,6 +14,7 @@ MODULES = ("math", "string", "textwrap", "os.path", "json", "shutil", "itertools
            "statistics", "heapq", "bisect", "fnmatch", "glob", "base64", "calendar", "difflib",
            "random", "operator", "colorsys", "html", "zlib", "secrets", "keyword", "copy")
 MAX_ANSWER_CHARS = 240
+SYSTEM = "Answer with the signature and the first line of the documentation."
 
 
 def _answer(qualified: str, obj) -> str | None:
@@ -45,6 +46,7 @@ def _conversations() -> list[tuple[str, list[dict]]]:
             answer = _answer(qualified, obj)
             if answer:
                 out.append((qualified, [
+                    {"role": "system", "content": SYSTEM},
                     {"role": "user", "content": f"What does {qualified} do in Python?"},
                     {"role": "assistant", "content": answer}]))
     return out

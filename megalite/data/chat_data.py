@@ -70,8 +70,8 @@ def read_conversations(path: str) -> list[list[dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: malformed JSON ({error.msg}, column "
-                                 f"{error.colno})") from None
+                raise ValueError(f"{path}:{number}: malformed JSON ({error.msg} at character "
+                                 f"{error.pos + 1})") from None
             out.append(conversation(record, f"{path}:{number}"))
     if not out:
         raise ValueError(f"{path}: no conversations")
