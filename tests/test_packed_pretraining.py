@@ -27,10 +27,11 @@ LAYOUTS = {"dp4": (1, 1, 1, False), "tp2 pp2 sp": (2, 2, 1, True), "cp2 dp2": (1
 def packed_tokens(rows: int) -> torch.Tensor:
     """[rows, SEQ + 1] tokens: documents of 1 to 9 tokens, each ended by EOD."""
     generator = torch.Generator().manual_seed(5)
-    tokens = torch.randint(4, VOCAB, (rows, SEQ + 1), generator=generator)
+    tokens = torch.randint(4, VOCAB, (rows, SEQ + 1), generator=generator, device="cpu")
     for row in tokens:
         end = -1
-        while (end := end + int(torch.randint(1, 10, (1,), generator=generator))) <= SEQ:
+        while (end := end + int(torch.randint(1, 10, (1,), generator=generator,
+                                                  device="cpu"))) <= SEQ:
             row[end] = EOD
     return tokens
 

@@ -28,9 +28,9 @@ def conversations() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(3)
     out = []
     for i in range(8):
-        length = int(torch.randint(4, 13, (1,), generator=generator))
-        ids = torch.randint(0, VOCAB, (length,), generator=generator)
-        flags = torch.zeros(length, dtype=torch.bool)
+        length = int(torch.randint(4, 13, (1,), generator=generator, device="cpu"))
+        ids = torch.randint(0, VOCAB, (length,), generator=generator, device="cpu")
+        flags = torch.zeros(length, dtype=torch.bool, device="cpu")
         flags[length // 2 + 1:] = True
         if i % 3 == 0:
             flags[1:3] = True
@@ -75,7 +75,7 @@ def _all() -> dict:
             m = ROWS // (MICRO * dp)
 
             def batches(dp_rank: int, dp: int) -> list[dict]:
-                return list(token_weighted_batches(rows, iter([torch.arange(ROWS)]), MICRO,
+                return list(token_weighted_batches(rows, iter([torch.arange(ROWS, device="cpu")]), MICRO,
                                                    dp_rank, dp, divisor=m * dp))
             got = parallel_step(config, tp, pp, 1, sp, batches=batches, microbatches=m,
                                 load=lambda chunks: load_llama(chunks, hf.state_dict(), config))
