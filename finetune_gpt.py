@@ -203,8 +203,9 @@ class ChatFinetuning(Task):
                         iters=n // size)["lm loss"]
 
     def answer(self, run: Run) -> str | None:
-        """Greedy answer to the first held-out question (every rank; None with VPP)."""
-        if self.sample is None or len(run.model) > 1:
+        """Greedy answer to the first held-out question (every rank; None with VPP or CP,
+        which generation does not run under)."""
+        if self.sample is None or len(run.model) > 1 or self.cp > 1:
             return None
         prompt = self.tokenizer.tokenize(render_chat(self.tokenizer, self.sample[:-1]))
         model = unwrap(run.model[0])
