@@ -119,7 +119,8 @@ class ChatFinetuning(Task):
         self.tokenizer = build_tokenizer(tokenizer_path)
         chat_template(self.tokenizer)
         train_set, held_out = self._conversations(sft)
-        self.sample = next((m for m in held_out if m[-1]["role"] == "assistant"), None)
+        # the built-in set's first held-out question is answered before and after training
+        self.sample = held_out[0] if sft.train_data is None else None
         encode = dict(max_tokens=t.seq_length + 1, overlong=sft.overlong,
                       loss_on_all_tokens=sft.loss_on_all_tokens)
         self.train_data = encode_conversations(self.tokenizer, train_set, **encode)

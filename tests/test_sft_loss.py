@@ -7,8 +7,8 @@ sequence, and split into microbatches and DP ranks as finetune_gpt.py does
 (megalite.data.packed.token_weighted_batches). The reference runs each conversation alone
 through LlamaForCausalLM with labels -100 outside the assistant tokens and weights each
 one's mean loss by its label count. Loss and every gradient within 1e-5 relative (fp32) at
-DP2 (each rank the single-process model), TP2 with sequence parallelism and PP2, packed and
-padded.
+DP4 (each rank the single-process model), TP2 with sequence parallelism and PP2 (x DP2),
+packed and padded.
 """
 import torch
 
@@ -19,8 +19,8 @@ from tests.parallel_step import MICRO, SEQ, VOCAB, parallel_step
 from tests.reference import rel_err
 from tests.test_llama_hf_parity import tiny_llama
 
-ROWS = 8  # one global batch: 2 microbatches x 2 rows x DP2, or 4 x 2 at DP1
-LAYOUTS = {"dp2": (1, 1, False), "tp2 sp": (2, 1, True), "pp2": (1, 2, False)}
+ROWS = 8  # one global batch: 1 microbatch x 2 rows x DP4, or 2 x 2 x DP2
+LAYOUTS = {"dp4": (1, 1, False), "tp2 sp": (2, 1, True), "pp2": (1, 2, False)}
 
 
 def conversations() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -71,7 +71,7 @@ def _all() -> dict:
         rows = rows_of(examples, packing)
         assert len(rows["tokens"]) == ROWS
         for name, (tp, pp, sp) in LAYOUTS.items():
-            dp = 2 // (tp * pp)
+            dp = 4 // (tp * pp)
             m = ROWS // (MICRO * dp)
 
             def batches(dp_rank: int, dp: int) -> list[dict]:
@@ -87,7 +87,7 @@ def _all() -> dict:
 
 
 def test_sft_loss_and_grads_match_transformers_per_conversation():
-    results = run_on_ranks(2, _all)
+    results = run_on_ranks(4, _all)
     for rank, per_rank in enumerate(results):
         for name, e in per_rank.items():
             assert not e["missing"] and e["loss"] < 1e-5 and e["grad"] < 1e-5, (rank, name, e)
