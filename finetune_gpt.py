@@ -104,6 +104,7 @@ class ChatFinetuning(Task):
         """Read the model, its tokenizer and the data; set the model shape, --train-iters,
         the evaluation interval and the warm-up from them."""
         sft, t, o = configs.sft, configs.train, configs.optimizer
+        train_set, held_out = self._conversations(sft)  # bad data fails before the model loads
         self.source = sft.pretrained or "smollm2"
         config, self.full, tokenizer_path = read_model(self.source)
         honoured = {name: getattr(configs.model, name) for name in FLAGS["model"]
@@ -118,7 +119,6 @@ class ChatFinetuning(Task):
         configs.data.tokenizer = tokenizer_path
         self.tokenizer = build_tokenizer(tokenizer_path)
         chat_template(self.tokenizer)
-        train_set, held_out = self._conversations(sft)
         # the built-in set's first held-out question is answered before and after training
         self.sample = held_out[0] if sft.train_data is None else None
         encode = dict(max_tokens=t.seq_length + 1, overlong=sft.overlong,
