@@ -1,7 +1,8 @@
 """Pretrain a GPT model: `python pretrain_gpt.py` trains a small GPT on the built-in corpus.
 
 Multi-rank: `torchrun --nproc_per_node 8 pretrain_gpt.py --tp 2 --pp 2 --dp 2`; long
-sequences: `--sequence-parallel` (TP > 1) and `--cp N` (context parallelism).
+sequences: `--sequence-parallel` (TP > 1) and `--cp N` (context parallelism). Packed documents
+(Megatron's flags): `--reset-position-ids --reset-attention-mask --eod-mask-loss`.
 Own data: `--data-path PREFIX --tokenizer TOKENIZER` (see tools/preprocess_data.py).
 Continue a checkpoint (e.g. converted from transformers or GGUF): `--load DIR` alone; the model
 and its tokenizer come from the checkpoint, the built-in corpus is tokenised with that
@@ -22,11 +23,13 @@ from megalite.config import Configs, default_checkpoint_dirs, parse_configs
 from megalite.data.builtin_corpus import builtin_corpus
 from megalite.data.gpt_dataset import build_gpt_datasets, parse_data_path
 from megalite.data.loader import default_num_workers, token_batches
+from megalite.data.packed import with_document_layout
 from megalite.data.samplers import PretrainingSampler
 from megalite.data.tokenizers import build_tokenizer
 from megalite.models import GPTModel
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.context_parallel import chunk_positions, get_batch_on_this_cp_rank
+from megalite.mpu.document_mask import DocumentMask
 from megalite.resilience import NonFiniteError
 from megalite.training import TrainResult, pretrain
 
@@ -77,6 +80,12 @@ def check_inputs(configs: Configs) -> None:
             checkpointing.checkpoint_tokenizer(configs.checkpoint.load, meta)
     if configs.data.tokenizer:
         take_tokenizer_vocab(configs, from_checkpoint=bool(meta))
+    d = configs.data
+    packed = [flag for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+              if getattr(d, flag)]
+    if packed and d.data_path and not d.tokenizer:
+        raise ValueError(f"--{packed[0].replace('_', '-')} needs --tokenizer with --data-path "
+                         f"(its end-of-document token separates the documents)")
 
 
 def prepare(configs: Configs) -> None:
@@ -99,22 +108,44 @@ def model_provider(configs: Configs, pre_process: bool, post_process: bool) -> t
                     sequence_parallel=configs.parallel.sequence_parallel)
 
 
-def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token loss [b, s] -> (mean loss in fp32, {"lm loss": it} for logging)."""
-    loss = per_token_loss.float().mean()
+def loss_func(loss_mask: torch.Tensor | None, denominator: torch.Tensor | None,
+              per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss [b, s] -> (loss in fp32, {"lm loss": it} for logging): the mean over all
+    tokens, or with loss_mask [b, s] the masked losses summed and divided by `denominator`
+    (the loss-bearing tokens this value stands for; see `forward_step`)."""
+    if loss_mask is None:
+        loss = per_token_loss.float().mean()
+    else:
+        loss = (per_token_loss.float() * loss_mask).sum() / denominator
     return loss, {"lm loss": loss.detach()}
 
 
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     """tokens [b, s+1] -> per-token loss [b, s] on the last stage (hidden [s, b, h] elsewhere);
     with context parallelism this CP rank's [b, s/cp] tokens, labels and positions. A batch
-    without tokens is a middle stage's: its input comes from the previous stage."""
+    without tokens is a middle stage's: its input comes from the previous stage.
+
+    Packed batches (megalite.data.packed) may carry position_ids (restarting per document),
+    document_ids (attention within each document), loss_mask, all [b, s], and
+    loss_denominator: the masked loss is summed and divided by it, by default the
+    microbatch's loss-bearing tokens / CP (CP ranks' values are averaged), so the loss is
+    their mean."""
     batch = next(data_iterator)
     if "tokens" not in batch:
-        return model(None, None, batch["position_ids"]), loss_func
-    tokens = batch["tokens"].to(device.current_device(), non_blocking=True)
-    inputs, labels, position_ids = get_batch_on_this_cp_rank(tokens[:, :-1], tokens[:, 1:])
-    return model(inputs, labels, position_ids), loss_func
+        return model(None, None, batch["position_ids"]), functools.partial(loss_func, None, None)
+    target = device.current_device()
+    batch = {name: value.to(target, non_blocking=True) for name, value in batch.items()}
+    tokens, names = batch["tokens"], [n for n in ("position_ids", "loss_mask") if n in batch]
+    inputs, labels, *fields, positions = get_batch_on_this_cp_rank(
+        tokens[:, :-1], tokens[:, 1:], *(batch[n] for n in names))
+    fields = dict(zip(names, fields))
+    documents = DocumentMask(batch["document_ids"]) if "document_ids" in batch else None
+    loss_mask, denominator = fields.get("loss_mask"), batch.get("loss_denominator")
+    if loss_mask is not None and denominator is None:
+        denominator = batch["loss_mask"].sum().clamp(min=1) / \
+            ps.get_context_parallel_world_size()
+    output = model(inputs, labels, fields.get("position_ids", positions), documents)
+    return output, functools.partial(loss_func, loss_mask, denominator)
 
 
 def middle_stage_batches(seq_length: int) -> Iterator[dict]:
@@ -129,7 +160,9 @@ def middle_stage_batches(seq_length: int) -> Iterator[dict]:
 def datasets_provider(configs: Configs, num_samples: tuple[int, int, int], consumed: int):
     """Train and validation iterators over this DP rank's microbatches. Only the ranks of the
     first stage (inputs) and of the last (labels) read tokens, each TP rank its own copy,
-    built by --num-workers processes and moved to the device; middle stages read none."""
+    built by --num-workers processes and moved to the device; middle stages read none, unless
+    a packed-documents flag asks for per-document positions or masks (then every stage
+    reads them: its attention and rotary positions depend on the documents)."""
     d, t = configs.data, configs.train
     cache = d.data_cache_dir or os.path.join(os.path.dirname(parse_data_path(d.data_path)[1][0]),
                                              "index_cache")
@@ -137,9 +170,11 @@ def datasets_provider(configs: Configs, num_samples: tuple[int, int, int], consu
                                          cache, is_builder_rank=dist.get_rank() == 0,
                                          barrier=dist.barrier)
     rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    reads_tokens = ps.is_pipeline_first_stage(ignore_virtual=True) or \
+    packed = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
+    reads_tokens = packed or ps.is_pipeline_first_stage(ignore_virtual=True) or \
         ps.is_pipeline_last_stage(ignore_virtual=True)
     workers = default_num_workers() if d.num_workers is None else d.num_workers
+    eod = build_tokenizer(d.tokenizer).eod if packed else None
 
     def iterator(dataset, start: int):
         if dataset is None:
@@ -147,7 +182,9 @@ def datasets_provider(configs: Configs, num_samples: tuple[int, int, int], consu
         if not reads_tokens:
             return middle_stage_batches(t.seq_length)
         sampler = PretrainingSampler(len(dataset), start, t.micro_batch_size, rank, size)
-        return token_batches(dataset, sampler, workers, device.current_device())
+        batches = token_batches(dataset, sampler, workers, device.current_device())
+        return with_document_layout(batches, eod, d.reset_position_ids, d.reset_attention_mask,
+                                    d.eod_mask_loss) if packed else batches
     return iterator(train, consumed), iterator(valid, 0)
 
 

@@ -354,6 +354,11 @@ class DataConfig:
     data_cache_dir: str | None = arg(None, "where sample indices are cached (default: beside data)")
     num_workers: int | None = arg(None, "processes that build the batches (0: the training "
                                         "process; default 1 on CUDA, 0 on the CPU)")
+    reset_position_ids: bool = arg(False, "positions restart after each end-of-document token")
+    reset_attention_mask: bool = arg(False, "no attention across end-of-document tokens "
+                                            "(each packed document attends to itself)")
+    eod_mask_loss: bool = arg(False, "no loss on the prediction made at an end-of-document "
+                                     "token (the next document's first token)")
 
 
 @dataclass
@@ -405,6 +410,29 @@ class FinetuneConfig:
                                     "(when --lr-warmup-iters is 0)")
     export_dir: str | None = arg(None, "write the best model here as a transformers directory "
                                  "(BertForSequenceClassification + tokenizer)")
+
+
+@dataclass
+class SFTConfig:
+    """Chat (supervised) finetuning of a GPT-family model (finetune_gpt.py)."""
+
+    pretrained: str | None = arg(
+        None, "the model to finetune: a megalite checkpoint directory, a transformers directory, "
+        "a .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct, shipped offline)",
+        aliases=("--gguf",))
+    train_data: str | None = arg(None, "JSONL of {\"messages\": [...]} or {\"prompt\", "
+                                       "\"completion\"} records (default: the built-in set)")
+    valid_data: str | None = arg(None, "held-out JSONL (required with --train-data)")
+    epochs: int = arg(1, "passes over the training conversations")
+    packing: bool = arg(True, "pack several conversations per sequence with document masks "
+                              "(--no-packing: one per sequence, padded)", negatable=True)
+    loss_on_all_tokens: bool = arg(False, "loss on every token, not only the assistant's")
+    overlong: str = arg("truncate", "a conversation longer than --seq-length + 1 tokens",
+                        choices=("truncate", "drop"))
+    lr_warmup_fraction: float = arg(0.1, "linear warm-up over this fraction of all steps "
+                                    "(when --lr-warmup-iters is 0)")
+    export_dir: str | None = arg(None, "write the finetuned model here as a transformers "
+                                 "directory with its tokenizer and chat template")
 
 
 # Smallest accepted value of numeric flags, checked before any config is built (so a zero
@@ -521,6 +549,7 @@ class Configs:
     data: DataConfig
     checkpoint: CheckpointConfig
     finetune: FinetuneConfig | None = None
+    sft: SFTConfig | None = None
     explicit: frozenset[str] = frozenset()  # fields set on the command line (not defaults)
 
 

@@ -42,11 +42,14 @@ def global_batch(dp: int, vocab: int = VOCAB) -> torch.Tensor:
 
 
 def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
-                  vpp: int | None = None, load=None, ep: int = 1) -> dict:
+                  vpp: int | None = None, load=None, ep: int = 1, batches=None,
+                  microbatches: int = MICROBATCHES) -> dict:
     """Mean loss over all tokens of the global batch, the grads of this rank's parameters
     (full over TP, by name), and whether the TP-partial replicated grads agree over TP (and
     the multi-token-prediction loss, with --mtp-num-layers).
-    `load(chunks)` fills the weights (default: megalite's seeded init)."""
+    `load(chunks)` fills the weights (default: megalite's seeded init). `batches(dp_rank,
+    dp)`: this DP rank's `microbatches` batches of MICRO rows (default: its slice of
+    `global_batch(dp)`, {"tokens": [MICRO, SEQ + 1]} each)."""
     initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp,
                               expert_model_parallel_size=ep)
     model_parallel_seed(SEED, ps.get_tensor_model_parallel_rank(),
@@ -59,11 +62,14 @@ def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
         load(chunks)
     sync_shared_embedding(chunks)
     model = [DistributedDataParallel(chunk) for chunk in chunks]
-    rows = global_batch(dp, config.vocab_size).split(MICROBATCHES * MICRO)[dp_rank]
-    batches = [{"tokens": t} for t in rows.split(MICRO)]
+    if batches is None:
+        rows = global_batch(dp, config.vocab_size).split(MICROBATCHES * MICRO)[dp_rank]
+        mine = [{"tokens": t} for t in rows.split(MICRO)]
+    else:
+        mine = batches(dp_rank, dp)
     losses = get_forward_backward_func()(
-        forward_step_func=pretrain_gpt.forward_step, data_iterator=iter(batches),
-        model=model if len(model) > 1 else model[0], num_microbatches=MICROBATCHES,
+        forward_step_func=pretrain_gpt.forward_step, data_iterator=iter(mine),
+        model=model if len(model) > 1 else model[0], num_microbatches=microbatches,
         seq_length=SEQ, micro_batch_size=MICRO)
     finalize_model_grads(model)
     loss = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1)
@@ -80,7 +86,7 @@ def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
     out = {"loss": loss.item(), "grads": grads, "tp partial grads agree": partial_agree}
     if config.mtp_num_layers:
         out["mtp loss"] = reduce_mtp_loss(
-            moe_states(model), MICROBATCHES, current_device(),
+            moe_states(model), microbatches, current_device(),
             ps.get_pipeline_model_parallel_group(),
             ps.get_data_parallel_group(with_context_parallel=True))
     return out

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.mpu import comm, parallel_state
+from megalite.mpu.document_mask import DocumentMask
 from megalite.mpu.ring_attention import ring_attention
 from megalite.mpu.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
 from megalite.mpu.random import checkpoint, get_rng_tracker
@@ -37,23 +38,30 @@ def check_attention_split(num_attention_heads: int, num_query_groups: int, tp: i
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   attention_mask: torch.Tensor | None, causal: bool, dropout: float,
-                   cp_group, scale: float | None = None) -> torch.Tensor:
+                   attention_mask: torch.Tensor | DocumentMask | None, causal: bool,
+                   dropout: float, cp_group, scale: float | None = None) -> torch.Tensor:
     """Softmax attention of q [b, heads, sq, d] over k [b, groups, sk, d], v [b, groups, sk, dv]
     -> [b, heads, sq, dv]; scale 1/sqrt(d) unless given. `causal` adds the causal mask to
-    any given mask (queries aligned to the last keys); dropout (probabilities) draws from the
-    TP-rank RNG stream. More than one rank in `cp_group`: ring attention over it (no mask
-    other than causal)."""
+    any given mask (queries aligned to the last keys); a DocumentMask (packed documents,
+    causal within each) replaces it. Dropout (probabilities) draws from the TP-rank RNG
+    stream. More than one rank in `cp_group`: ring attention over it (causal or per-document
+    causal masks only)."""
+    documents = attention_mask if isinstance(attention_mask, DocumentMask) else None
     if comm.world_size(cp_group) > 1:
-        if attention_mask is not None:
-            raise ValueError("context parallelism supports no attention mask other than causal")
-        return ring_attention(q, k, v, causal, cp_group, scale)
+        if attention_mask is not None and documents is None:
+            raise ValueError("context parallelism supports no attention mask other than "
+                             "causal or per-document causal")
+        return ring_attention(q, k, v, causal, cp_group, scale,
+                              None if documents is None else documents.document_ids)
     sq, sk = q.shape[2], k.shape[2]
-    is_causal = causal and attention_mask is None and sq == sk
-    mask = attention_mask
-    if causal and not is_causal and sq > 1:
-        tril = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-        mask = tril if attention_mask is None else attention_mask & tril
+    if documents is not None:
+        mask, is_causal = documents.dense, False
+    else:
+        is_causal = causal and attention_mask is None and sq == sk
+        mask = attention_mask
+        if causal and not is_causal and sq > 1:
+            tril = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            mask = tril if attention_mask is None else attention_mask & tril
     gqa = k.shape[1] != q.shape[1]  # SDPA shares each KV group among its heads: no copy
     if dropout == 0.0:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
@@ -64,13 +72,14 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class ParallelAttention(nn.Module):
-    """forward(x [s, b, h], attention_mask [b, 1, 1|s, s + cached] bool (True = attend) | None,
-    rotary (cos, sin) [b, 1, s, d] | None, recompute_core, kv_cache) -> [s, b, h].
+    """forward(x [s, b, h], attention_mask [b, 1, 1|s, s + cached] bool (True = attend), a
+    DocumentMask (packed sequences) or None, rotary (cos, sin) [b, 1, s, d] | None,
+    recompute_core, kv_cache) -> [s, b, h].
 
     `causal` adds the causal mask to any given mask (queries aligned to the last keys).
     Dropout on the probabilities draws from the TP-rank RNG stream. `sequence_parallel`: x and
     the output are [s/t, b, h]. `context_parallel_group` (default: the grid's CP group): more
-    than one rank -> ring attention over it (no mask other than causal, no attention dropout).
+    than one rank -> ring attention over it (causal or a DocumentMask; no attention dropout).
     `kv_cache` (inference): an object whose `update(k, v)` stores this step's k, v
     [b, groups/tp, s, d] and returns the keys and values of every position so far.
     """
@@ -128,7 +137,7 @@ class ParallelAttention(nn.Module):
         return q, k, v
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       attention_mask: torch.Tensor | None) -> torch.Tensor:
+                       attention_mask: torch.Tensor | DocumentMask | None) -> torch.Tensor:
         """q [b, heads/tp, s, d], k, v [b, groups/tp, s, d] -> [b, heads/tp, s, d]."""
         return core_attention(q, k, v, attention_mask, self.causal,
                               self.attention_dropout if self.training else 0.0, self.cp_group)
