@@ -1,0 +1,89 @@
+"""Distributed checkpoints reshard weights and optimizer state: a run stopped every two steps
+and resumed each time under another layout and data-parallel sharding continues the loss
+curve of the uninterrupted single-process run (fp32, dropout off; the layouts differ in
+summation order only, so 1e-5 relative). Adam's moments and step must come along: a
+resume that restarted them changes the next loss by far more (checked once below)."""
+import json
+import os
+
+import torch
+
+from tests.gpt_run import make_dataset, tiny_args, train
+from tests.multirank import run_on_ranks
+from tests.reference import rel_err
+from tests.test_moe_training import MOE_FLAGS
+
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+CHAIN_FLAGS = [*NO_DROPOUT, "--micro-batch-size", "1"]  # global batch 8 splits over DP 8
+ZERO1 = "--use-distributed-optimizer"
+ITERS = 10  # the whole curve; every hop runs 2 steps (--exit-interval 2)
+# (layout, extra flags) of each hop; the saves of some hops run in the background
+CHAIN_8 = [["--tp", "2", "--pp", "2", "--vpp", "2", "--dp", "2", ZERO1, "--async-save"],
+           ["--pp", "4", "--dp", "2"],                       # 1F1B, no_shard
+           ["--dp", "8", ZERO1, "--async-save"],
+           ["--tp", "2", "--pp", "2", "--dp", "2"]]           # no_shard
+CHAIN_4 = [["--dp", "4", ZERO1]]
+
+
+def _hops(prefix: str, root: str, chain: list[list[str]], first: int, flags: list[str],
+          iters: int = ITERS) -> dict[int, float]:
+    """Run each hop of `chain` for two steps, resuming from the previous hop's checkpoint
+    (the first from `root`/hop<first - 1> when `first` > 0); the losses of every step."""
+    losses = {}
+    for n, layout in enumerate(chain, start=first):
+        load = ["--load", f"{root}/hop{n - 1}"] if n else []
+        losses.update(train(tiny_args(prefix, f"{root}/hop{n}", iters, "--exit-interval", "2",
+                                      *load, *flags, *layout)))
+    return losses
+
+
+def _moe_ep2_to_ep4(prefix: str, root: str) -> dict[int, float]:
+    flags = [*MOE_FLAGS, "--dp", "4"]
+    losses = train(tiny_args(prefix, f"{root}/ep2", 4, "--exit-interval", "2", "--ep", "2",
+                             ZERO1, *flags))
+    losses.update(train(tiny_args(prefix, f"{root}/ep4", 4, "--load", f"{root}/ep2", "--ep",
+                                  "4", *flags)))
+    return losses
+
+
+def _bf16_pp2_dp2_to_dp4(prefix: str, root: str) -> dict[int, float]:
+    flags = ["--bf16", *NO_DROPOUT]
+    losses = train(tiny_args(prefix, f"{root}/bf16a", 4, "--exit-interval", "2", "--pp", "2",
+                             "--dp", "2", ZERO1, *flags))
+    losses.update(train(tiny_args(prefix, f"{root}/bf16b", 4, "--load", f"{root}/bf16a",
+                                  "--dp", "4", *flags)))
+    return losses
+
+
+def _four_rank_hops(prefix: str, root: str) -> tuple[dict, dict, dict]:
+    return (_hops(prefix, root, CHAIN_4, len(CHAIN_8), CHAIN_FLAGS),
+            _moe_ep2_to_ep4(prefix, root), _bf16_pp2_dp2_to_dp4(prefix, root))
+
+
+def _single(prefix: str, root: str) -> tuple[dict, dict, dict]:
+    return (train(tiny_args(prefix, f"{root}/single", ITERS, *CHAIN_FLAGS)),
+            train(tiny_args(prefix, f"{root}/single_moe", 4, *MOE_FLAGS)),
+            train(tiny_args(prefix, f"{root}/single_bf16", 4, "--bf16", *NO_DROPOUT)))
+
+
+def _assert_curve(got: dict, want: dict, tolerance: float) -> None:
+    assert sorted(got) == sorted(want), (got, want)
+    errors = {i: rel_err(torch.tensor(got[i]), torch.tensor(want[i])) for i in want}
+    assert max(errors.values()) < tolerance, (errors, got, want)
+    print("resume errors", {i: f"{e:.1e}" for i, e in errors.items()})
+
+
+def test_resumes_into_other_layouts_and_shardings_continue_the_single_process_curve(tmp_path):
+    prefix, root = make_dataset(str(tmp_path)), str(tmp_path)
+    single, single_moe, single_bf16 = run_on_ranks(1, _single, prefix, root)[0]
+    eight = run_on_ranks(8, _hops, prefix, root, CHAIN_8, 0, CHAIN_FLAGS)[0]
+    four, moe, bf16 = run_on_ranks(4, _four_rank_hops, prefix, root)[0]
+    _assert_curve({**eight, **four}, single, 1e-5)
+    _assert_curve(moe, single_moe, 1e-5)
+    # bf16 rounds every weight update to 8 mantissa bits, differently under another
+    # summation order: the curves agree to about one bf16 ulp of the loss (2^-8)
+    _assert_curve(bf16, single_bf16, 2 ** -8)
+    index = json.load(open(os.path.join(root, "hop2", "iter_0000006", "index.json")))
+    # DP 8 ZeRO-1: the 8 ranks wrote disjoint parts of the weights and the Adam moments
+    assert len({p[0] for e in index["optim.exp_avg"].values() for p in e["pieces"]}) == 8
+    assert {s["step"] for s in index["scalars"].values()} == {6.0}
