@@ -175,3 +175,22 @@ def test_another_optimizer_loads_weights_only(saved, tmp_path):
         prefix, str(tmp_path / "z"), 3, "--load", ck, "--optimizer", "sgd"))[0]
     assert sorted(losses) == [3]
     assert "loaded weights only (checkpoint optimizer {'optimizer': 'adam'" in out
+
+
+def test_a_format_2_checkpoint_still_loads_its_weights(saved, tmp_path):
+    """megalite's previous format (full TP-gathered tensors per pipeline stage, no index)
+    reads back as the same full weights as the sharded checkpoint it is made from."""
+    _, ck = saved
+    meta, full = checkpointing.read_full_model(ck)
+    old = checkpointing.iteration_dir(str(tmp_path / "old"), 2)
+    os.makedirs(old)
+    half = len(full) // 2  # stage files hold disjoint names; split them over two "stages"
+    for stage, names in enumerate((list(full)[:half], list(full)[half:])):
+        checkpoint_io.write_tensors(checkpointing.model_file(old, stage),
+                                    {n: full[n] for n in names})
+    checkpoint_io.write_json(os.path.join(old, "meta.json"), {
+        **meta, "format": 2, "layout": {"tp": 1, "pp": 2, "dp": 1, "vpp": None}})
+    checkpointing.mark_latest(str(tmp_path / "old"), 2)
+    _, back = checkpointing.read_full_model(str(tmp_path / "old"))
+    assert sorted(back) == sorted(full)
+    assert all(torch.equal(back[n], full[n]) for n in full)
