@@ -49,6 +49,13 @@ def _pieces(param: nn.Parameter, start: int, end: int):
             yield a, b, box, sub, glob
 
 
+def local_values(param: nn.Parameter) -> tuple[torch.Tensor, int]:
+    """(this rank's values of the TP-local `param`, flattened; where they start in it): the
+    whole of it. (A parameter sharded further over DP, as FSDP's dim-0 chunk, returns its
+    chunk and the chunk's flat start: everything below works on flat ranges.)"""
+    return param.detach().view(-1), 0
+
+
 def _flat_sources(fragment, state: dict) -> dict[str, tuple[torch.Tensor, int]]:
     """{kind: (flat tensor, its offset in the param)} of a fragment's master copy and state."""
     n = fragment.main.numel()
@@ -74,7 +81,7 @@ def collect_shards(model: list[nn.Module], optimizer, writer: ShardWriter) -> No
             continue
         start, end = ((fragment.offset, fragment.offset + fragment.main.numel()) if distributed
                       else _dp_range(param, chunk))
-        sources = {"model": (param.detach().view(-1), 0)}
+        sources = {"model": local_values(param)}
         if fragment is not None:
             state = states.get(fragment.main, {})
             sources.update(_flat_sources(fragment, state))
@@ -98,9 +105,10 @@ def load_weights(reader: ShardReader, model: list[nn.Module]) -> None:
         if saved != shape:
             raise ValueError(f"{reader.directory}: parameter {name!r} has shape {saved}, this "
                              f"model's is {shape}")
-        flat = param.data.view(-1)
-        for a, b, box, sub, glob in _pieces(param, 0, param.numel()):
-            reader.read_into("model", name, glob, box_view(flat, a, b, box)[box_slices(sub)])
+        flat, start = local_values(param)
+        for a, b, box, sub, glob in _pieces(param, start, start + flat.numel()):
+            reader.read_into("model", name, glob,
+                             box_view(flat, a - start, b - start, box)[box_slices(sub)])
 
 
 @torch.no_grad()
