@@ -88,3 +88,38 @@ def test_resumes_into_other_layouts_and_shardings_continue_the_single_process_cu
     # DP 8 ZeRO-1: the 8 ranks wrote disjoint parts of the weights and the Adam moments
     assert len({p[0] for e in index["optim.exp_avg"].values() for p in e["pieces"]}) == 8
     assert {s["step"] for s in index["scalars"].values()} == {6.0}
+
+
+def test_slices_of_tp_shards_are_the_global_tensors_elements():
+    """checkpoint_slices against the TP split itself (mpu.layers._split_shards): every flat
+    range of every rank's shard (strided SwiGLU blocks, GQA replicas, vocabulary padding) maps
+    to global boxes holding exactly its values, and the ranks' boxes tile the global tensor."""
+    from torch import nn
+    from megalite.checkpoint_slices import (box_slices, flat_boxes, global_shape, to_global,
+                                            writes_param)
+    from megalite.mpu.layers import _split_shards, set_tensor_model_parallel_attributes
+    cases = [((16, 6), 0, 2, 1, None), ((5, 8), 1, 1, 1, None), ((12, 3), 0, 1, 2, None),
+             ((7, 3), 0, 1, 1, 8)]  # (global shape, dim, stride, replicas, padded rows)
+    tp = 4
+    for shape, dim, stride, replicas, padded in cases:
+        full = torch.arange(torch.Size(shape).numel()).reshape(shape)
+        source = torch.cat([full, full.new_zeros(padded - shape[0], shape[1])]) if padded \
+            else full
+        covered = torch.zeros(shape, dtype=torch.long)
+        for rank in range(tp):
+            local = _split_shards(source, dim, stride, tp // replicas)[rank // replicas]
+            param = nn.Parameter(local.float())
+            set_tensor_model_parallel_attributes(param, True, dim, stride, replicas)
+            if padded:
+                param.unpadded_rows = shape[0]
+            assert global_shape(param, tp) == shape
+            n = local.numel()
+            for start, end in [(0, n), (1, n - 1), (n // 3, n // 2 + 1)]:
+                for a, b, box in flat_boxes(tuple(local.shape), start, end):
+                    values = local.reshape(-1)[a:b].view(box[1])
+                    for (lo, ln), glob in to_global(param, box, rank, tp):
+                        sub = tuple(slice(o - p, o - p + m) for o, p, m in zip(lo, box[0], ln))
+                        assert torch.equal(values[sub], full[box_slices(glob)])
+                        if (start, end) == (0, n) and writes_param(param, rank, tp):
+                            covered[box_slices(glob)] += 1
+        assert bool((covered == 1).all()), (shape, covered)
