@@ -17,13 +17,13 @@ from tests.test_moe_training import MOE_FLAGS
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 CHAIN_FLAGS = [*NO_DROPOUT, "--micro-batch-size", "1"]  # global batch 8 splits over DP 8
 ZERO1 = "--use-distributed-optimizer"
-ITERS = 12  # the whole curve; every hop runs 2 steps (--exit-interval 2)
+ITERS = 14  # the whole curve; every hop runs 2 steps (--exit-interval 2)
 # (layout, extra flags) of each hop; the saves of some hops run in the background
 CHAIN_8 = [["--tp", "2", "--pp", "2", "--vpp", "2", "--dp", "2", ZERO1, "--async-save"],
            ["--pp", "4", "--dp", "2"],                       # 1F1B, no_shard
            ["--dp", "8", ZERO1, "--async-save"],
            ["--tp", "2", "--pp", "2", "--dp", "2"]]           # no_shard
-CHAIN_4 = [["--dp", "4", ZERO1], ["--tp", "4"]]
+CHAIN_4 = [["--dp", "4", ZERO1], ["--cp", "2", "--dp", "2", ZERO1], ["--tp", "4"]]
 
 
 def _hops(prefix: str, root: str, chain: list[list[str]], first: int, flags: list[str],
