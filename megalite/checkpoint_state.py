@@ -19,6 +19,7 @@ from megalite.checkpoint_slices import (box_slices, box_view, even_range, flat_b
 from megalite.models.sharding import unwrap
 from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps
+from megalite.optimizer.distrib_optimizer import DistributedOptimizer
 from megalite.optimizer.optimizer import load_portable_state_dict, portable_state_dict
 
 
@@ -71,7 +72,7 @@ def collect_shards(model: list[nn.Module], optimizer, writer: ShardWriter) -> No
     """Add this rank's slices of weights and optimizer state to `writer` (host copies)."""
     tp_rank, tp = _tp()
     fragments = {id(f.model_param): f for f in optimizer.fragments}
-    distributed = optimizer.settings()["use_distributed_optimizer"]
+    distributed = isinstance(optimizer, DistributedOptimizer)  # fragments split over DP
     states = optimizer.optimizer.state
     for name, param, chunk in named_parameters(model):
         if getattr(param, "shared_embedding_copy", False) or not writes_param(param, tp_rank, tp):
