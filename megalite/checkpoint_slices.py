@@ -10,6 +10,7 @@ a range too). `flat_boxes` splits a flat range into boxes that are each contiguo
 `to_global` maps a TP-local box to boxes of the global tensor.
 """
 import math
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -62,6 +63,14 @@ def global_shape(param: nn.Parameter, tp_size: int) -> tuple[int, ...]:
         shape[dim] *= shards
         shape[0] = getattr(param, "unpadded_rows", None) or shape[0]
     return tuple(shape)
+
+
+def expert_placement(param: nn.Parameter) -> SimpleNamespace:
+    """The TP placement of one expert's slice [i] of a stacked expert weight
+    (megalite.moe.experts): the stacked one's, one dim less."""
+    return SimpleNamespace(shape=tuple(param.shape[1:]), partition_dim=param.partition_dim - 1,
+                           **{k: getattr(param, k) for k in (
+                               "tensor_model_parallel", "partition_stride", "tp_replicas")})
 
 
 def writes_param(param: nn.Parameter, tp_rank: int, tp_size: int) -> bool:

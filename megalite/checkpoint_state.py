@@ -9,14 +9,16 @@ so the ranks of a DP group write disjoint parts in parallel. With the range go t
 ("optim.exp_avg", ...); per-parameter scalars (Adam's step) go to the index. A rank loads its
 whole TP-local parameter and, for the optimizer, the range of each of its fragments.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megalite.checkpoint_shards import ShardReader, ShardWriter
-from megalite.checkpoint_slices import (box_slices, box_view, even_range, flat_boxes,
-                                        global_shape, to_global, writes_param)
-from megalite.models.sharding import unwrap
+from megalite.checkpoint_slices import (box_slices, box_view, even_range, expert_placement,
+                                        flat_boxes, global_shape, to_global, writes_param)
+from megalite.models.sharding import full_names, persistent_buffers, unwrap
 from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer.distrib_optimizer import DistributedOptimizer
@@ -25,6 +27,28 @@ from megalite.optimizer.optimizer import load_portable_state_dict, portable_stat
 
 def _tp() -> tuple[int, int]:
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One global tensor inside a local parameter or buffer: its name, its TP placement (the
+    parameter, or for stacked experts one expert's slice of it), and the flat range
+    [start, start + numel) it occupies in the flattened local tensor."""
+
+    name: str
+    placement: object
+    start: int
+    numel: int
+
+
+def entries(name: str, param: torch.Tensor) -> list[Entry]:
+    """The global tensors of local parameter `name`: itself, or one per stacked expert
+    (megalite.moe.experts, named as looped experts are)."""
+    if not hasattr(param, "expert_keys"):
+        return [Entry(name, param, 0, param.numel())]
+    placement = expert_placement(param)
+    n = param[0].numel()
+    return [Entry(key, placement, i * n, n) for i, key in enumerate(full_names(name, param))]
 
 
 def named_parameters(model: list[nn.Module]) -> list[tuple[str, nn.Parameter, nn.Module]]:
@@ -41,13 +65,17 @@ def _dp_range(param: nn.Parameter, chunk: nn.Module) -> tuple[int, int]:
     return even_range(param.numel(), dist.get_rank(group) if size > 1 else 0, size)
 
 
-def _pieces(param: nn.Parameter, start: int, end: int):
-    """(flat a, flat b, local box, local sub-box, global box) covering [start, end) of param."""
+def _pieces(name: str, param: torch.Tensor, start: int, end: int):
+    """(entry, flat a, flat b, entry box, box's sub-box, global box) covering [start, end) of
+    the flattened `param` ([a, b) in the param's flat coordinates, boxes in the entry's)."""
     tp_rank, tp = _tp()
-    for a, b, box in flat_boxes(tuple(param.shape), start, end):
-        for local, glob in to_global(param, box, tp_rank, tp):
-            sub = (tuple(x - y for x, y in zip(local[0], box[0])), local[1])
-            yield a, b, box, sub, glob
+    for entry in entries(name, param):
+        lo, hi = max(start, entry.start), min(end, entry.start + entry.numel)
+        shape = tuple(entry.placement.shape)
+        for a, b, box in flat_boxes(shape, lo - entry.start, hi - entry.start):
+            for local, glob in to_global(entry.placement, box, tp_rank, tp):
+                sub = (tuple(x - y for x, y in zip(local[0], box[0])), local[1])
+                yield entry, a + entry.start, b + entry.start, box, sub, glob
 
 
 def local_values(param: nn.Parameter) -> tuple[torch.Tensor, int]:
@@ -88,28 +116,37 @@ def collect_shards(model: list[nn.Module], optimizer, writer: ShardWriter) -> No
             sources.update(_flat_sources(fragment, state))
             scalars = {k: float(v) for k, v in state.items()
                        if not torch.is_tensor(v) or v.ndim == 0}
-            if scalars:
-                writer.scalars[name] = scalars
-        shape = global_shape(param, tp)
-        for a, b, box, sub, glob in _pieces(param, start, end):
+            for entry in entries(name, param) if scalars else []:
+                writer.scalars[entry.name] = scalars
+        for entry, a, b, box, sub, glob in _pieces(name, param, start, end):
             for kind, (flat, offset) in sources.items():
-                writer.add(kind, name, shape, glob,
+                writer.add(kind, entry.name, global_shape(entry.placement, tp), glob,
                            box_view(flat, a - offset, b - offset, box)[box_slices(sub)])
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0 and tp_rank == 0:
+        for chunk in model:  # persistent buffers (the routers' expert bias): whole, replicated
+            for name, buffer in persistent_buffers(unwrap(chunk)):
+                writer.add("model", name, tuple(buffer.shape),
+                           ((0,) * buffer.ndim, tuple(buffer.shape)), buffer)
 
 
 @torch.no_grad()
 def load_weights(reader: ShardReader, model: list[nn.Module]) -> None:
-    """Fill every parameter of this rank with its TP-local slice (any saved layout)."""
-    for name, param, _ in named_parameters(model):
-        shape = global_shape(param, _tp()[1])
-        saved = tuple(reader.entry("model", name)["shape"])
-        if saved != shape:
-            raise ValueError(f"{reader.directory}: parameter {name!r} has shape {saved}, this "
-                             f"model's is {shape}")
-        flat, start = local_values(param)
-        for a, b, box, sub, glob in _pieces(param, start, start + flat.numel()):
-            reader.read_into("model", name, glob,
-                             box_view(flat, a - start, b - start, box)[box_slices(sub)])
+    """Fill every parameter and persistent buffer of this rank with its TP-local slice (any
+    saved layout)."""
+    tp = _tp()[1]
+    for chunk in model:
+        for name, param in [*unwrap(chunk).named_parameters(),
+                            *persistent_buffers(unwrap(chunk))]:
+            for entry in entries(name, param):
+                saved = tuple(reader.entry("model", entry.name)["shape"])
+                if saved != global_shape(entry.placement, tp):
+                    raise ValueError(f"{reader.directory}: parameter {entry.name!r} has shape "
+                                     f"{saved}, this model's is "
+                                     f"{global_shape(entry.placement, tp)}")
+            flat, start = local_values(param)
+            for entry, a, b, box, sub, glob in _pieces(name, param, start, start + flat.numel()):
+                reader.read_into("model", entry.name, glob,
+                                 box_view(flat, a - start, b - start, box)[box_slices(sub)])
 
 
 @torch.no_grad()
@@ -125,16 +162,17 @@ def load_optimizer(reader: ShardReader, model: list[nn.Module], optimizer) -> No
     for fragment in optimizer.fragments:
         name = names[id(fragment.model_param)]
         start, end = fragment.offset, fragment.offset + fragment.main.numel()
+        first = entries(name, fragment.model_param)[0].name
         values = {kind.removeprefix("optim."): torch.zeros_like(fragment.main)  # padding: 0
-                  for kind in kinds if reader.has(kind, name)}
+                  for kind in kinds if reader.has(kind, first)}
         targets = {f"optim.{k}": v.view(-1) for k, v in values.items()}
-        if fragment.target is not None and reader.has("main", name):
+        if fragment.target is not None and reader.has("main", first):
             targets["main"] = fragment.main.view(-1)
-        for a, b, box, sub, glob in _pieces(fragment.model_param, start, end):
+        for entry, a, b, box, sub, glob in _pieces(name, fragment.model_param, start, end):
             for kind, flat in targets.items():
-                reader.read_into(kind, name, glob,
+                reader.read_into(kind, entry.name, glob,
                                  box_view(flat, a - start, b - start, box)[box_slices(sub)])
-        scalars = reader.index["scalars"].get(name, {})
+        scalars = reader.index["scalars"].get(first, {})
         if values:
             state[order[id(fragment.main)]] = {**{k: torch.tensor(v) for k, v in scalars.items()},
                                                **values}

@@ -38,10 +38,15 @@ def _hops(prefix: str, root: str, chain: list[list[str]], first: int, flags: lis
     return losses
 
 
+# DeepSeek-V3's expert bias (a checkpointed buffer) on; EP2 saves grouped (stacked) experts,
+# EP4 loads them as looped ones
+MOE = [*MOE_FLAGS, "--moe-router-enable-expert-bias"]
+
+
 def _moe_ep2_to_ep4(prefix: str, root: str) -> dict[int, float]:
-    flags = [*MOE_FLAGS, "--dp", "4"]
+    flags = [*MOE, "--dp", "4"]
     losses = train(tiny_args(prefix, f"{root}/ep2", 4, "--exit-interval", "2", "--ep", "2",
-                             ZERO1, *flags))
+                             ZERO1, "--moe-grouped-gemm", *flags))
     losses.update(train(tiny_args(prefix, f"{root}/ep4", 4, "--load", f"{root}/ep2", "--ep",
                                   "4", *flags)))
     return losses
@@ -63,7 +68,7 @@ def _four_rank_hops(prefix: str, root: str) -> tuple[dict, dict, dict]:
 
 def _single(prefix: str, root: str) -> tuple[dict, dict, dict]:
     return (train(tiny_args(prefix, f"{root}/single", ITERS, *CHAIN_FLAGS)),
-            train(tiny_args(prefix, f"{root}/single_moe", 4, *MOE_FLAGS)),
+            train(tiny_args(prefix, f"{root}/single_moe", 4, *MOE)),
             train(tiny_args(prefix, f"{root}/single_bf16", 4, "--bf16", *NO_DROPOUT)))
 
 
@@ -81,6 +86,8 @@ def test_resumes_into_other_layouts_and_shardings_continue_the_single_process_cu
     four, moe, bf16 = run_on_ranks(4, _four_rank_hops, prefix, root)[0]
     _assert_curve({**eight, **four}, single, 1e-5)
     _assert_curve(moe, single_moe, 1e-5)
+    moe_index = json.load(open(os.path.join(root, "ep2", "iter_0000002", "index.json")))
+    assert "encoder.layers.0.mlp.router.expert_bias" in moe_index["model"]
     # bf16 rounds every weight update to 8 mantissa bits, differently under another
     # summation order: the curves agree to about one bf16 ulp of the loss (2^-8)
     _assert_curve(bf16, single_bf16, 2 ** -8)
