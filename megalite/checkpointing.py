@@ -1,57 +1,62 @@
-"""Sharded, atomic, pickle-free checkpoints with exact resume and resharding to another layout.
+"""Distributed, atomic, pickle-free checkpoints: every rank writes the slices it owns, and a
+load reshards weights and optimizer state to any layout.
 
 Layout of `<dir>/iter_<N:07d>/`:
   meta.json                   iteration, consumed samples, the whole model config, parameter
-                              dtype, optimizer settings, parallel layout, the training
-                              task's small JSON state if any (rank 0)
-  model_pp<P>.safetensors     full (TP-gathered, unpadded) parameters of pipeline stage P,
-                              global names: readable by any safetensors tool
-  model_pp<P>_ep<E>.safetensors  the experts of EP rank E > 0 of stage P (MoE; experts by
-                              global index)
-  rank_<R>.json/.safetensors  per-rank optimizer (incl. distributed-optimizer shard), loss
-                              scaler, scheduler and RNG states (checkpoint_io: JSON + tensors)
+                              dtype, optimizer settings, scheduler and loss-scaler states,
+                              parallel layout, the training task's small JSON state (rank 0)
+  index.json                  per global tensor (by kind: "model", "main", "optim.exp_avg", ...)
+                              its global shape, dtype and which file holds which slice
+                              (megalite.checkpoint_shards); per-parameter scalars (Adam's step)
+  shard_<R>.safetensors/.json the slices rank R owns (megalite.checkpoint_state): its TP shard,
+                              its DP share (its ZeRO-1 fragment, or an even split over DP),
+                              its stage's and its experts' parameters under their global names
+  rank_<R>.json/.safetensors  rank R's RNG states (checkpoint_io: JSON + tensors)
   tokenizer/                  the tokenizer the model was trained with, when the run had one
                               (Tokenizer.save: a sentencepiece .model or a transformers
                               tokenizer directory); meta.json names it
 `<dir>/latest_checkpointed_iteration.txt` names the newest complete iteration.
 
-Nothing is unpickled. A save writes into `iter_<N>.tmp`, fsyncs every file and directory,
-checks on every rank that the weights are finite, renames the directory once every rank
-has finished (an older copy of the same iteration is moved aside first and deleted only
-after the new one is in place) and then replaces the marker, so an interrupted save never
-becomes what `--load` picks. Because model files hold full tensors, a checkpoint loads
-under any TP/PP/DP layout; optimizer and RNG state are restored only under the layout and
-optimizer settings that wrote them (otherwise the weights are loaded and the optimizer
-starts fresh, with one printed line). `verify_checkpoint` checks, with no communication,
-that every file the run needs exists and is complete, so every rank reports the same
-error line.
+Nothing is unpickled. A save checks on every rank that the weights are finite, copies each
+rank's slices to the host, writes them into `iter_<N>.tmp` (in a background thread with
+--async-save: `PendingSave`), fsyncs every file and directory, and once every rank has
+finished rank 0 writes the index, renames the directory (an older copy of the same iteration
+is moved aside first and deleted only after the new one is in place) and then replaces the
+marker, so an interrupted save never becomes what `--load` picks. A load reads, on each
+rank, only the slices of its own parameters and optimizer fragments, under any TP/PP/VPP/
+DP/CP/EP layout and ZeRO sharding; RNG states apply under the saved layout only (else
+re-seeded, one line). Format-2 checkpoints (full tensors per stage) load their weights.
+`verify_checkpoint` checks, with no communication, that every file the run needs exists and
+is complete, so every rank reports the same error line.
 """
 import dataclasses
 import os
 import random
 import re
 import shutil
+import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from megalite.checkpoint_args import differences_error, model_differences
 from megalite.checkpoint_io import (CheckpointFileError, fsync_dir, load_state, read_json,
-                                    read_tensors, safetensors_shapes, save_state, state_files,
-                                    write_json, write_tensors)
+                                    safetensors_shapes, save_state, state_files, write_json)
+from megalite.checkpoint_shards import INDEX, ShardReader, ShardWriter, merge_index, verify_files
+from megalite.checkpoint_state import collect_shards, load_optimizer, load_weights
 from megalite.config import ModelConfig
 from megalite.data.tokenizers import Tokenizer
 from megalite.device import device_type
-from megalite.models.sharding import (full_state_dict, local_value, persistent_buffers,
-                                      unwrap)
-from megalite.models.spec import stage_of
 from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps
-from megalite.mpu.random import get_rng_tracker
+from megalite.mpu.random import get_rng_tracker, model_parallel_seed
 
 MARKER = "latest_checkpointed_iteration.txt"
-FORMAT = 2
+FORMAT = 3
+LEGACY_FORMAT = 2  # full tensors per pipeline stage; its weights still load
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -66,13 +71,13 @@ def _published_dir(root: str, iteration: int) -> str:
 
 
 def model_file(directory: str, pp_rank: int, ep_rank: int = 0) -> str:
-    """Stage `pp_rank`'s weights; for EP rank > 0 only its experts (the rest is in EP rank 0's)."""
+    """A format-2 checkpoint's weights of stage `pp_rank`; for EP rank > 0 only its experts."""
     ep = f"_ep{ep_rank:03d}" if ep_rank else ""
     return os.path.join(directory, f"model_pp{pp_rank:03d}{ep}.safetensors")
 
 
 def model_files(directory: str, layout: dict) -> list[str]:
-    """Every model file of a checkpoint saved under `layout` (its "pp" and optional "ep")."""
+    """Every model file of a format-2 checkpoint saved under `layout` ("pp", optional "ep")."""
     return [model_file(directory, stage, ep_rank) for stage in range(layout["pp"])
             for ep_rank in range(layout.get("ep", 1))]
 
@@ -159,57 +164,99 @@ def checkpoint_tokenizer(root: str, meta: dict) -> str | None:
     return name and os.path.join(_published_dir(root, meta["iteration"]), name)
 
 
+class PendingSave:
+    """A save whose files are being written (by a background thread with --async-save);
+    `finish()` waits for them on every rank and publishes the checkpoint."""
+
+    def __init__(self, root: str, iteration: int, tmp: str, write: Callable[[], None],
+                 meta: dict | None, keep_latest: int | None, background: bool) -> None:
+        self.root, self.iteration, self.tmp, self.meta = root, iteration, tmp, meta
+        self.keep_latest, self.error = keep_latest, None
+        self._thread = threading.Thread(target=self._run, args=(write,), daemon=True,
+                                        name=f"checkpoint-save-{iteration}")
+        if background:
+            self._thread.start()
+        else:
+            self._run(write)
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as error:  # reported by finish(), on the caller's thread
+            self.error = error
+
+    def finish(self, device: torch.device) -> None:
+        """Collective over the world: wait for this rank's files, agree that every rank wrote
+        its own, then rank 0 writes the index and meta.json and publishes (rename + marker).
+        A failure anywhere publishes nothing and raises on every rank."""
+        if self._thread.ident is not None:
+            self._thread.join()
+        failed = torch.tensor([0.0 if self.error is None else 1.0], device=device)
+        comm.all_reduce(failed, dist.group.WORLD, op=dist.ReduceOp.MAX)
+        if self.error is not None:
+            raise self.error
+        if failed.item():
+            raise OSError(f"save of iteration {self.iteration} to {self.root} failed on another "
+                          f"rank; {self.root} keeps its last good checkpoint")
+        if dist.get_rank() == 0:
+            merge_index(self.tmp, dist.get_world_size())
+            write_json(os.path.join(self.tmp, "meta.json"), self.meta)
+            _publish(self.root, self.iteration, self.tmp)
+            if self.keep_latest:
+                prune_checkpoints(self.root, self.keep_latest, self.iteration)
+        dist.barrier()
+
+
 def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
                     scheduler, consumed_samples: int, model_config: ModelConfig,
                     task_state: dict | None = None, keep_latest: int | None = None,
-                    tokenizer: Tokenizer | None = None) -> None:
-    """Collective over the world: every rank writes its part, rank 0 publishes it.
+                    tokenizer: Tokenizer | None = None, async_save: bool = False
+                    ) -> PendingSave:
+    """Collective over the world: every rank writes the slices it owns, rank 0 publishes.
 
-    `task_state` (JSON: the training task's own progress) is kept in meta.json as "task";
-    `tokenizer` (rank 0's matters) is saved beside the weights. With `keep_latest`, rank 0
-    then deletes all but the newest that many iterations.
+    Each rank copies its slices of the weights and optimizer state to the host; the files are
+    written at once, or with `async_save` by a background thread while training goes on, and
+    published by `PendingSave.finish()` (called here without `async_save`; otherwise the
+    caller calls it before the next save and at the end of the run). `task_state` (JSON: the
+    training task's own progress) is kept in meta.json as "task"; `tokenizer` (rank 0's
+    matters) is saved beside the weights. With `keep_latest`, rank 0 then deletes all but the
+    newest that many iterations.
 
     Raises ValueError on every rank (publishing nothing) if any rank's weights are not finite.
     """
     rank = dist.get_rank()
+    device = next(model[0].parameters()).device
+    bad = torch.stack([torch.isfinite(p).all() for c in model for p in c.parameters()]).all()
+    bad = (~bad).float().reshape(1)
+    comm.all_reduce(bad, dist.group.WORLD, op=dist.ReduceOp.MAX)
+    if bad.item():
+        raise ValueError(f"save at iteration {iteration}: the weights hold NaN/Inf; {root} "
+                         f"keeps its last good checkpoint")
     tmp = iteration_dir(root, iteration) + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    finite = bool(torch.stack([torch.isfinite(p).all() for c in model for p in c.parameters()])
-                  .all())  # one device sync
-    ep_rank = ps.get_expert_model_parallel_rank()
-    if ps.get_expert_data_parallel_rank() == 0:  # DP rank 0, and the other EP ranks' experts
-        weights = {}
-        for chunk in model:
-            weights.update(full_state_dict(chunk))
-        if ep_rank:
-            weights = {k: v for k, v in weights.items() if ".local_experts." in k}
-        if ps.get_tensor_model_parallel_rank() == 0 and finite:
-            write_tensors(model_file(tmp, ps.get_pipeline_model_parallel_rank(), ep_rank),
-                          weights)
-    if finite:
-        save_state(rank_state_path(tmp, rank), {
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "rng": _rng_state()})
-    if rank == 0 and finite:
-        write_json(os.path.join(tmp, "meta.json"), {
-            "format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
-            "model_config": dataclasses.asdict(model_config),
-            "params_dtype": _params_dtype(model), "optimizer": optimizer.settings(),
-            "layout": current_layout(), **({"task": task_state} if task_state else {}),
-            **_save_tokenizer(tmp, tokenizer)})
-    bad = torch.tensor([0.0 if finite else 1.0], device=next(model[0].parameters()).device)
-    comm.all_reduce(bad, dist.group.WORLD, op=dist.ReduceOp.MAX)
-    if bad.item():
-        raise ValueError(f"save at iteration {iteration}: the weights hold NaN/Inf; {root} "
-                         f"keeps its last good checkpoint")
+    writer = ShardWriter(rank)
+    collect_shards(model, optimizer, writer)
+    rng = _rng_state()
+    meta = None
     if rank == 0:
-        _publish(root, iteration, tmp)
-        if keep_latest:
-            prune_checkpoints(root, keep_latest, iteration)
-    dist.barrier()
+        meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+                "model_config": dataclasses.asdict(model_config),
+                "params_dtype": _params_dtype(model), "optimizer": optimizer.settings(),
+                "layout": current_layout(), "scheduler": scheduler.state_dict(),
+                "scaler": optimizer.scaler.state_dict() if optimizer.scaler else None,
+                **({"task": task_state} if task_state else {}),
+                **_save_tokenizer(tmp, tokenizer)}
+
+    def write() -> None:
+        writer.write(tmp)
+        save_state(rank_state_path(tmp, rank), {"rng": rng})
+    pending = PendingSave(root, iteration, tmp, write, meta, keep_latest, async_save)
+    if not async_save:
+        pending.finish(device)
+    return pending
 
 
 def prune_checkpoints(root: str, keep: int, written: int) -> list[int]:
@@ -259,9 +306,10 @@ def read_meta(root: str, iteration: int | None = None) -> dict | None:
     if iteration is None:
         return None
     meta = read_json(os.path.join(_published_dir(root, iteration), "meta.json"))
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (LEGACY_FORMAT, FORMAT):
         raise CheckpointFileError(f"{root}: checkpoint format {meta.get('format')}, expected "
-                                  f"{FORMAT} (written by another megalite version)")
+                                  f"{FORMAT} or {LEGACY_FORMAT} (written by another megalite "
+                                  f"version)")
     return meta
 
 
@@ -284,77 +332,109 @@ def check_compatible(meta: dict, model_config: ModelConfig, root: str,
         raise differences_error(root, differences)
 
 
-def restores_optimizer(meta: dict, optimizer_settings: dict, layout: dict) -> bool:
-    """Whether the per-rank optimizer/RNG files apply: same layout and optimizer settings."""
-    return meta.get("optimizer") == optimizer_settings and meta["layout"] == layout
+def restores_optimizer(meta: dict, optimizer_settings: dict) -> bool:
+    """Whether the saved optimizer state applies: the same optimizer (any layout and ZeRO
+    sharding; a weights-only or format-2 checkpoint has none)."""
+    saved = meta.get("optimizer")
+    return meta.get("format") == FORMAT and saved is not None \
+        and saved["optimizer"] == optimizer_settings["optimizer"]
 
 
-def verify_checkpoint(root: str, meta: dict, layout: dict, world_size: int,
-                      optimizer_settings: dict) -> None:
-    """Every file the load needs exists and is complete (headers only, no communication):
-    the model file of every saved stage and, when the optimizer state applies, every
-    rank's state. Raises CheckpointFileError naming the first bad file."""
-    directory = _published_dir(root, meta["iteration"])
+def restores_rng(meta: dict, layout: dict) -> bool:
+    """Whether the per-rank RNG states apply: the run's layout is the saved one."""
+    return meta.get("format") == FORMAT and meta.get("optimizer") is not None \
+        and meta["layout"] == layout
+
+
+def _legacy_index(directory: str, meta: dict) -> dict:
+    """The index of a format-2 checkpoint: its per-stage model files hold full tensors."""
+    model = {}
     for path in model_files(directory, meta["layout"]):
         safetensors_shapes(path)
-    if restores_optimizer(meta, optimizer_settings, layout):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                shape = piece.get_shape()
+                model[key] = {"shape": shape, "dtype": _SAFETENSORS_DTYPES[piece.get_dtype()],
+                              "pieces": [[os.path.basename(path), key, [0] * len(shape), shape]]}
+    return {"model": model, "scalars": {}}
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
+                       "I64": "int64", "I32": "int32"}
+
+
+def checkpoint_reader(root: str, meta: dict) -> ShardReader:
+    """A reader of the slices of the checkpoint `meta` describes (headers only so far)."""
+    directory = _published_dir(root, meta["iteration"])
+    if meta["format"] == LEGACY_FORMAT:
+        return ShardReader(directory, _legacy_index(directory, meta))
+    return ShardReader(directory, read_json(os.path.join(directory, INDEX)))
+
+
+def verify_checkpoint(root: str, meta: dict, layout: dict, world_size: int) -> None:
+    """Every file the load needs exists and is complete (headers only, no communication):
+    every shard file the index names and, when the RNG states apply, every rank's. Raises
+    CheckpointFileError naming the first bad file, the same on every rank."""
+    reader = checkpoint_reader(root, meta)
+    verify_files(reader.directory, reader.index)
+    if restores_rng(meta, layout):
         for rank in range(world_size):
-            json_path, tensor_path = state_files(rank_state_path(directory, rank))
+            json_path, tensor_path = state_files(rank_state_path(reader.directory, rank))
             read_json(json_path)
             safetensors_shapes(tensor_path)
 
 
 def read_model_weights(root: str, meta: dict) -> dict[str, torch.Tensor]:
-    """The full state dict of every stage of the checkpoint `meta` describes."""
-    directory, full = _published_dir(root, meta["iteration"]), {}
-    for path in model_files(directory, meta["layout"]):
-        full.update(read_tensors(path))
-    return full
+    """The full, unpadded weights of the checkpoint `meta` describes (one process)."""
+    reader = checkpoint_reader(root, meta)
+    return {name: reader.read_full("model", name) for name in reader.index["model"]}
 
 
-@torch.no_grad()
-def load_model_weights(root: str, meta: dict, model: list[torch.nn.Module]) -> None:
-    """Fill this rank's shards from the full per-stage files (any TP/PP layout)."""
-    full = read_model_weights(root, meta)
-    directory = _published_dir(root, meta["iteration"])
-    for chunk in map(unwrap, model):
-        for name, param in [*chunk.named_parameters(), *persistent_buffers(chunk)]:
-            try:
-                param.copy_(local_value(full, name, param))
-            except KeyError as error:
-                raise CheckpointFileError(f"{directory}: no model file holds parameter "
-                                          f"{error.args[0]!r}") from None
-            except ValueError as error:
-                raise CheckpointFileError(f"{directory}: parameter {name!r}: {error}") from None
+def _reseed(seed: int, iteration: int) -> None:
+    """Deterministic RNG streams for a resume under another layout: --seed + iteration."""
+    random.seed(seed + iteration)
+    np.random.seed(seed + iteration)
+    model_parallel_seed(seed + iteration, ps.get_tensor_model_parallel_rank(),
+                        ps.get_pipeline_model_parallel_rank())
 
 
 def load_checkpoint(root: str, model: list[torch.nn.Module], optimizer, scheduler,
-                    model_config: ModelConfig) -> tuple[int, int]:
-    """Restore the newest checkpoint; return (iteration, consumed_samples), (0, 0) if none."""
+                    model_config: ModelConfig, seed: int = 0) -> tuple[int, int]:
+    """Restore the newest checkpoint, saved under any layout and ZeRO sharding; return
+    (iteration, consumed_samples), (0, 0) if none. Each rank reads only the slices of its own
+    parameters and optimizer fragments. RNG states are restored under the saved layout, else
+    re-seeded from `seed` + iteration (one line)."""
     meta = read_meta(root)
     if meta is None:
         return 0, 0
     check_compatible(meta, model_config, root, next(model[0].parameters()).dtype)
     layout, settings = current_layout(), optimizer.settings()
-    verify_checkpoint(root, meta, layout, dist.get_world_size(), settings)
-    iteration = meta["iteration"]
-    load_model_weights(root, meta, model)
-    if restores_optimizer(meta, settings, layout):
-        path = rank_state_path(_published_dir(root, iteration), dist.get_rank())
-        state = load_state(path)
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except ValueError as error:
-            raise CheckpointFileError(f"{path}.safetensors: {error}") from None
-        scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
-    else:
+    verify_checkpoint(root, meta, layout, dist.get_world_size())
+    iteration, reader = meta["iteration"], checkpoint_reader(root, meta)
+    try:
+        load_weights(reader, model)
         optimizer.reload_model_params()
+        if restores_optimizer(meta, settings):
+            load_optimizer(reader, model, optimizer)
+    except ValueError as error:
+        raise CheckpointFileError(str(error)) from None
+    if restores_optimizer(meta, settings):
+        scheduler.load_state_dict(meta["scheduler"])
+        if optimizer.scaler is not None and meta["scaler"] is not None:
+            optimizer.scaler.load_state_dict(meta["scaler"])
+    else:
         scheduler.step(increment=0, iteration=iteration)
         if dist.get_rank() == 0:
-            print(f"loaded weights only (saved under layout {meta['layout']} with optimizer "
-                  f"{meta.get('optimizer')}, running {layout} with {settings}): optimizer state "
-                  f"and RNG start fresh", flush=True)
+            print(f"loaded weights only (checkpoint optimizer {meta.get('optimizer')}, this run "
+                  f"{settings}): the optimizer state starts fresh", flush=True)
+    if restores_rng(meta, layout):
+        _set_rng_state(load_state(rank_state_path(reader.directory, dist.get_rank()))["rng"])
+    else:
+        _reseed(seed, iteration)
+        if dist.get_rank() == 0:
+            print(f"checkpoint saved under layout {meta['layout']}, this run is {layout}: RNG "
+                  f"streams re-seeded from --seed + iteration ({seed} + {iteration})", flush=True)
     return iteration, meta["consumed_samples"]
 
 
@@ -371,20 +451,21 @@ def read_full_model(root: str, iteration: int | None = None
 def write_weights_checkpoint(root: str, full: dict[str, torch.Tensor], model_config: ModelConfig,
                              tp: int = 1, pp: int = 1, iteration: int = 0,
                              tokenizer: Tokenizer | None = None) -> None:
-    """A weights-only checkpoint (no optimizer state, no precision) split into `pp` stage
-    files, with `tokenizer` if given; single process. Loads under any layout and precision:
-    the files hold full tensors, sliced (and cast) by each rank on load."""
+    """A weights-only checkpoint (no optimizer state, no precision) of full tensors, with
+    `tokenizer` if given; single process. Loads under any layout and precision (each rank
+    reads its slices and casts them); `tp` and `pp` are only recorded."""
     if model_config.num_layers % pp:
         raise ValueError(f"--target-pp ({pp}) must divide the model's {model_config.num_layers} "
                          f"layers")
     tmp = iteration_dir(root, iteration) + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    stages: list[dict[str, torch.Tensor]] = [{} for _ in range(pp)]
+    writer = ShardWriter(0)
     for name, tensor in full.items():
-        stages[stage_of(name, model_config.num_layers, pp)][name] = tensor
-    for stage, weights in enumerate(stages):
-        write_tensors(model_file(tmp, stage), weights)
+        writer.add("model", name, tuple(tensor.shape),
+                   ((0,) * tensor.ndim, tuple(tensor.shape)), tensor)
+    writer.write(tmp)
+    merge_index(tmp, 1)
     write_json(os.path.join(tmp, "meta.json"), {
         "format": FORMAT, "iteration": iteration, "consumed_samples": 0,
         "model_config": dataclasses.asdict(model_config), "params_dtype": None,

@@ -371,6 +371,9 @@ class CheckpointConfig:
                                     "--save: a tenth of --train-iters, between 10 and 1000)")
     keep_latest_checkpoints: int | None = arg(
         None, "after each save keep only the newest N iterations in --save (default: all)")
+    async_save: bool = arg(False, "write checkpoints from a host copy in a background thread "
+                           "while training goes on; published when the next save, the end of "
+                           "the run or a SIGTERM save waits for it")
 
 
 # --columns presets: (first sentence, second sentence, label) column names.

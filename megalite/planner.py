@@ -31,6 +31,8 @@ from megalite.schedules.accounting import schedule_bubble
 # optimizer shards the optimizer states (fp32 main params, fp16's fp32 main grads, Adam m, v).
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 2, 16)}
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# bytes per parameter in a checkpoint: weights, fp32 masters (bf16/fp16) and Adam's 2 moments
+CHECKPOINT_BYTES = {"fp32": 4 + 8, "bf16": 2 + 4 + 8, "fp16": 2 + 4 + 8}
 LOSS_BYTES = 4  # logits, softmax and cross-entropy all-reduces are fp32 whatever the precision
 
 
@@ -213,6 +215,19 @@ class Plan:
     def bubble(self) -> Fraction:
         return schedule_bubble(self.layout.schedule, self.layout.grid.pp, self.layout.num_microbatches,
                                self.layout.chunks_per_rank)
+
+    def checkpoint_bytes(self, stage: str) -> float:
+        """Bytes one rank of `stage` writes into a distributed checkpoint: its TP shard's
+        share (megalite.checkpoint_state) of weights, masters and Adam moments, split over
+        the DP x CP ranks (experts over the expert-DP ranks)."""
+        grid, s = self.layout.grid, self.stages[stage]
+        replicas = grid.dp * grid.cp
+        return CHECKPOINT_BYTES[self.precision] * (
+            (s.params - s.expert_params) / replicas + s.expert_params * grid.ep / replicas)
+
+    def save_time(self, write_gbps: float) -> float:
+        """Seconds of a save when every rank writes its bytes at `write_gbps` GB/s at once."""
+        return max(self.checkpoint_bytes(stage) for stage in self.stages) / (write_gbps * 1e9)
 
     def step_time(self, peak_tflops: float, mfu: float) -> float:
         """Seconds per step if every GPU sustains `mfu` of `peak_tflops` on `flops`."""

@@ -89,6 +89,7 @@ class Run:
     consumed: int = 0  # training samples over all DP ranks
     losses: dict[int, float] = field(default_factory=dict)
     saved_at: int | None = None
+    pending_save: Any = None  # checkpointing.PendingSave of an --async-save in flight
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer | None:
@@ -102,10 +103,22 @@ class Run:
         root = self.configs.checkpoint.save
         if self.saved_at == self.iteration:
             return
-        checkpointing.save_checkpoint(root, self.iteration, self.model, self.optimizer,
-                                      self.scheduler, self.consumed, self.configs.model,
-                                      self.task.state_dict(),
-                                      self.configs.checkpoint.keep_latest_checkpoints,
-                                      self.tokenizer)
-        log(f"saved checkpoint to {root} at iteration {self.iteration}")
+        self.finish_saves()
+        ckpt = self.configs.checkpoint
+        pending = checkpointing.save_checkpoint(
+            root, self.iteration, self.model, self.optimizer, self.scheduler, self.consumed,
+            self.configs.model, self.task.state_dict(), ckpt.keep_latest_checkpoints,
+            self.tokenizer, ckpt.async_save)
+        if ckpt.async_save:
+            self.pending_save = pending
+            log(f"saving checkpoint to {root} at iteration {self.iteration} in the background")
+        else:
+            log(f"saved checkpoint to {root} at iteration {self.iteration}")
         self.saved_at = self.iteration
+
+    def finish_saves(self) -> None:
+        """Wait for an --async-save in flight and publish it (collective over the world)."""
+        if self.pending_save is not None:
+            pending, self.pending_save = self.pending_save, None
+            pending.finish(next(self.model[0].parameters()).device)
+            log(f"saved checkpoint to {pending.root} at iteration {pending.iteration}")

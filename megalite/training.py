@@ -29,7 +29,7 @@ from megalite.models.stage import (build_model_chunks, finalize_model_grads,
                                    sync_shared_embedding)
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
-from megalite.optimizer import get_optimizer, optimizer_settings
+from megalite.optimizer import get_optimizer
 from megalite.resilience import ExitSignalHandler, SkipGuard, inject_faults, parse_faults
 from megalite.schedules.executor import forward_backward
 from megalite.schedules.accounting import pipeline_summary
@@ -190,8 +190,7 @@ def check_before_start(configs: Configs, layout: RunLayout) -> None:
     if ckpt.load and (meta := checkpointing.read_meta(ckpt.load)):
         checkpointing.check_compatible(meta, m, ckpt.load,
                                        configs.precision.params_dtype)
-        checkpointing.verify_checkpoint(ckpt.load, meta, layout.grid.as_dict(), layout.world_size,
-                                        optimizer_settings(configs.optimizer))
+        checkpointing.verify_checkpoint(ckpt.load, meta, layout.grid.as_dict(), layout.world_size)
         start = meta["iteration"]
     saved = checkpointing.latest_iteration(ckpt.save) if ckpt.save else None
     same = ckpt.load and ckpt.save and os.path.realpath(ckpt.load) == os.path.realpath(ckpt.save)
@@ -284,7 +283,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
         iteration, consumed = 0, 0
         if ckpt.load:
             iteration, consumed = checkpointing.load_checkpoint(
-                ckpt.load, model, optimizer, scheduler, configs.model)
+                ckpt.load, model, optimizer, scheduler, configs.model, configs.train.seed)
             if meta := checkpointing.read_meta(ckpt.load):
                 task.load_state_dict(meta.get("task", {}))
     except (ValueError, OSError) as error:  # the same files on every rank: the same line
@@ -309,6 +308,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
     try:
         task.start(run)
         _train_loop(run, TimedIterator(train_batches))
+        run.finish_saves()
         if run.iteration >= configs.train.train_iters:
             task.finish(run)
     finally:

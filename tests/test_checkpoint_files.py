@@ -1,5 +1,6 @@
-"""Checkpoint files: no pickle, safetensors weights other tools read, verification of what a
-load needs (truncated or missing shards: one line on every rank), full metadata checks,
+"""Checkpoint files: no pickle, safetensors slices and a JSON index other tools read,
+verification of what a load needs (truncated or missing shards: one line on every rank,
+before any collective), full metadata checks,
 re-saves that never lose the old copy, and the --save directory guard."""
 import contextlib
 import io
@@ -42,17 +43,28 @@ def test_no_pickle_anywhere_in_the_code():
 def test_files_are_json_and_safetensors_readable_by_other_tools(saved):
     _, ck = saved
     directory = checkpointing.iteration_dir(ck, 2)
-    assert sorted(os.listdir(directory)) == ["meta.json", "model_pp000.safetensors",
-                                              "rank_00000.json", "rank_00000.safetensors",
-                                              "rank_00001.json", "rank_00001.safetensors"]
+    assert sorted(os.listdir(directory)) == [
+        "index.json", "meta.json", "rank_00000.json", "rank_00000.safetensors",
+        "rank_00001.json", "rank_00001.safetensors", "shard_00000.json",
+        "shard_00000.safetensors", "shard_00001.json", "shard_00001.safetensors"]
     meta = json.load(open(os.path.join(directory, "meta.json")))
     assert meta["model_config"]["vocab_size"] == VOCAB and meta["params_dtype"] == "float32"
     assert meta["optimizer"] == {"optimizer": "adam", "use_distributed_optimizer": False}
     assert meta["layout"] == {"tp": 2, "pp": 1, "dp": 1, "vpp": None}
-    with safe_open(os.path.join(directory, "model_pp000.safetensors"), "pt") as f:
-        # full tensors: the unpadded vocabulary, TP-gathered MLP (4h x h at hidden 32)
-        assert f.get_tensor("embedding.word_embeddings.weight").shape == (VOCAB, 32)
-        assert f.get_tensor("encoder.layers.0.mlp.dense_h_to_4h.weight").shape == (128, 32)
+    index = json.load(open(os.path.join(directory, "index.json")))
+    # global shapes: the unpadded vocabulary (all of it in TP rank 0's half of the padded
+    # 256 rows), the TP-gathered MLP (4h x h at hidden 32) with each TP rank's half in its own
+    # file, readable by slice with safetensors alone
+    for name, shape, files in [("embedding.word_embeddings.weight", [VOCAB, 32], 1),
+                               ("encoder.layers.0.mlp.dense_h_to_4h.weight", [128, 32], 2)]:
+        entry = index["model"][name]
+        assert entry["shape"] == shape and entry["dtype"] == "float32"
+        assert sorted(p[0] for p in entry["pieces"]) == [
+            f"shard_{r:05d}.safetensors" for r in range(files)]
+        assert sum(p[3][0] for p in entry["pieces"]) == shape[0]
+        for file, key, offsets, lengths in entry["pieces"]:
+            with safe_open(os.path.join(directory, file), "pt") as f:
+                assert list(f.get_slice(key)[:].shape) == lengths
 
 
 def test_state_tree_round_trip(tmp_path):
@@ -81,8 +93,8 @@ def _load_and_report(prefix: str, ck: str, out: str) -> str:
 
 
 @pytest.mark.parametrize("damage,expected", [
-    ("truncate_model", "model_pp000.safetensors: truncated"),
-    ("delete_rank1", "rank_00001.safetensors: missing"),
+    ("truncate_shard0", "shard_00000.safetensors: truncated"),
+    ("delete_shard1", "shard_00001.safetensors: missing"),
 ])
 def test_damaged_shard_is_one_line_naming_the_file_on_every_rank(saved, tmp_path, damage,
                                                                  expected):
@@ -90,11 +102,11 @@ def test_damaged_shard_is_one_line_naming_the_file_on_every_rank(saved, tmp_path
     ck = str(tmp_path / "ck")
     shutil.copytree(original, ck)
     directory = checkpointing.iteration_dir(ck, 2)
-    if damage == "truncate_model":
-        path = os.path.join(directory, "model_pp000.safetensors")
+    if damage == "truncate_shard0":
+        path = os.path.join(directory, "shard_00000.safetensors")
         os.truncate(path, os.path.getsize(path) // 2)
     else:
-        os.remove(os.path.join(directory, "rank_00001.safetensors"))
+        os.remove(os.path.join(directory, "shard_00001.safetensors"))
     lines = run_on_ranks(2, _load_and_report, prefix, ck, str(tmp_path / "out"))
     assert lines[0] == lines[1], lines
     assert lines[0].startswith("error: ") and expected in lines[0] and "\n" not in lines[0]
@@ -148,10 +160,37 @@ def test_every_model_field_and_the_precision_are_checked_on_load(saved, argv, ex
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
-def test_other_optimizer_settings_load_weights_only(saved, tmp_path):
-    """--use-distributed-optimizer differs: the weights load, the optimizer starts fresh (the
-    documented conversion), at another layout too (TP 2 -> DP 2)."""
+def _train_and_print(argv: list[str]) -> tuple[dict, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        losses = train(argv)
+    return losses, out.getvalue()
+
+
+def test_another_optimizer_loads_weights_only(saved, tmp_path):
+    """Adam's state means nothing to SGD: the weights load (at another layout too, TP 2 ->
+    DP 2), the optimizer starts fresh, and rank 0 says so in one line."""
     prefix, ck = saved
-    out = run_on_ranks(2, train, tiny_args(prefix, str(tmp_path / "z"), 3, "--load", ck,
-                                           "--use-distributed-optimizer"))[0]
-    assert sorted(out) == [3]
+    losses, out = run_on_ranks(2, _train_and_print, tiny_args(
+        prefix, str(tmp_path / "z"), 3, "--load", ck, "--optimizer", "sgd"))[0]
+    assert sorted(losses) == [3]
+    assert "loaded weights only (checkpoint optimizer {'optimizer': 'adam'" in out
+
+
+def test_a_format_2_checkpoint_still_loads_its_weights(saved, tmp_path):
+    """megalite's previous format (full TP-gathered tensors per pipeline stage, no index)
+    reads back as the same full weights as the sharded checkpoint it is made from."""
+    _, ck = saved
+    meta, full = checkpointing.read_full_model(ck)
+    old = checkpointing.iteration_dir(str(tmp_path / "old"), 2)
+    os.makedirs(old)
+    half = len(full) // 2  # stage files hold disjoint names; split them over two "stages"
+    for stage, names in enumerate((list(full)[:half], list(full)[half:])):
+        checkpoint_io.write_tensors(checkpointing.model_file(old, stage),
+                                    {n: full[n] for n in names})
+    checkpoint_io.write_json(os.path.join(old, "meta.json"), {
+        **meta, "format": 2, "layout": {"tp": 1, "pp": 2, "dp": 1, "vpp": None}})
+    checkpointing.mark_latest(str(tmp_path / "old"), 2)
+    _, back = checkpointing.read_full_model(str(tmp_path / "old"))
+    assert sorted(back) == sorted(full)
+    assert all(torch.equal(back[n], full[n]) for n in full)

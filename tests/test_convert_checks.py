@@ -2,6 +2,9 @@
 the input (config.json's model_type, the GGUF's architecture, the checkpoint's config), a
 --model-type that disagrees, a missing or unused weight, and a --target-tp/--target-pp the
 model cannot be split into are one error line each. A GGUF file is parsed once per load."""
+import json
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -159,10 +162,10 @@ def test_a_missing_weight_is_refused(llama_dirs, tmp_path, capsys):
 def test_a_checkpoint_missing_a_weight_is_refused(llama_dirs, tmp_path, capsys):
     root, _ = llama_dirs
     convert("--direction", "hf-to-megalite", "--input", root / "gqa", "--output", tmp_path / "ml")
-    path = checkpointing.model_file(checkpointing.iteration_dir(str(tmp_path / "ml"), 0), 0)
-    weights = load_file(path)
-    del weights["final_layernorm.weight"]
-    save_file(weights, path)
+    path = os.path.join(checkpointing.iteration_dir(str(tmp_path / "ml"), 0), "index.json")
+    index = json.load(open(path))
+    del index["model"]["final_layernorm.weight"]
+    json.dump(index, open(path, "w"))
     assert "missing final_layernorm.weight, unexpected none" in refusal(
         capsys, "--direction", "megalite-to-hf", "--input", tmp_path / "ml", "--output",
         tmp_path / "hf")

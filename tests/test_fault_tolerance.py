@@ -1,5 +1,6 @@
 """Faults injected through MEGALITE_FAULT (megalite.resilience) or real signals: a NaN loss
-on one rank, SIGTERM mid-run, a rank SIGKILLed mid-step under torchrun, a hung collective
+on one rank, SIGTERM mid-run, a rank SIGKILLed mid-step under torchrun while an asynchronous
+save is in flight, a hung collective
 (on NCCL with TORCH_NCCL_BLOCKING_WAIT=1, so the wait itself raises at the group's timeout
 instead of NCCL's watchdog aborting the process)."""
 import os
@@ -122,11 +123,14 @@ def _resume(prefix: str, root: str, name: str, iters: int) -> dict:
                            *PP2_DP2))
 
 
-def test_sigkill_of_one_rank_under_torchrun_ends_the_job_and_the_checkpoint_resumes_exactly(
+def test_sigkill_of_one_rank_during_an_async_save_leaves_the_previous_checkpoint_to_resume(
         tmp_path):
+    """--async-save every step: the save of step 3 is still unpublished (its files written in
+    the background, published by the next save) when rank 2 dies in step 4, so step 2's
+    checkpoint (published when the save of step 3 began) is what --load picks."""
     prefix = make_dataset(str(tmp_path))
     ck = tmp_path / "killed"
-    argv = tiny_args(prefix, str(ck), 5, *PP2_DP2, "--save-interval", "2",
+    argv = tiny_args(prefix, str(ck), 5, *PP2_DP2, "--save-interval", "1", "--async-save",
                      "--distributed-timeout-minutes", "0.5")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGALITE_FAULT": "sigkill@4:2",
            **({} if on_gpus(4) else {"CUDA_VISIBLE_DEVICES": ""})}  # as the rank pools
@@ -138,6 +142,7 @@ def test_sigkill_of_one_rank_under_torchrun_ends_the_job_and_the_checkpoint_resu
     assert job.returncode != 0 and elapsed < 120, (job.returncode, elapsed)
     assert "SIGKILL" in job.stderr or "exitcode  : -9" in job.stderr, job.stderr[-2000:]
     assert checkpointing.latest_iteration(str(ck)) == 2
+    assert not os.path.exists(checkpointing.iteration_dir(str(ck), 3))
     straight = run_on_ranks(4, train, tiny_args(prefix, str(tmp_path / "straight"), 5,
                                                 *PP2_DP2))[0]
     resumed = run_on_ranks(4, _resume, prefix, str(tmp_path), "resumed", 5)[0]

@@ -1,11 +1,9 @@
-"""Exact resume and resharding of pretrain_gpt runs (fp32, dropout on), and the same batches
-whether or not worker processes build them."""
+"""Exact resume of pretrain_gpt runs (fp32, dropout on), and the same batches whether or not
+worker processes build them (resharding: tests/test_checkpoint_reshard.py)."""
 import pytest
-import torch
 
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
-from tests.reference import rel_err
 
 
 def _straight_and_resumed(prefix: str, root: str, layout: list[str]) -> tuple[dict, dict, dict]:
@@ -36,25 +34,3 @@ def test_worker_processes_feed_the_same_batches_in_the_same_order(tmp_path):
     prefix = make_dataset(str(tmp_path))
     without, with_workers = run_on_ranks(2, _with_and_without_workers, prefix, str(tmp_path))[0]
     assert with_workers == without and sorted(without) == [1, 2, 3]
-
-
-NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
-
-
-def _loss_after_load(prefix: str, root: str, layout: list[str]) -> float:
-    """Train one more step from the (2,2) checkpoint: its loss is computed before any update."""
-    return train(tiny_args(prefix, f"{root}/{'_'.join(layout) or 'single'}", 4, "--load",
-                           f"{root}/tp2pp2", *layout, *NO_DROPOUT))[4]
-
-
-def test_reshard_tp2pp2_to_tp1_and_tp4(tmp_path):
-    prefix = make_dataset(str(tmp_path))
-    saved = run_on_ranks(4, train, tiny_args(prefix, f"{tmp_path}/tp2pp2", 3, "--tp", "2",
-                                             "--pp", "2", *NO_DROPOUT))[0]
-    at_2_2 = run_on_ranks(4, _loss_after_load, prefix, str(tmp_path), ["--tp", "2", "--pp", "2"])
-    at_1_1 = run_on_ranks(1, _loss_after_load, prefix, str(tmp_path), [])
-    at_4_1 = run_on_ranks(4, _loss_after_load, prefix, str(tmp_path), ["--tp", "4"])
-    assert sorted(saved) == [1, 2, 3]
-    # The same weights and batch under another TP split: equal up to fp32 summation order.
-    for loss in (at_1_1[0], at_4_1[0]):
-        assert rel_err(torch.tensor(loss), torch.tensor(at_2_2[0])) < 1e-5, (loss, at_2_2[0])

@@ -47,6 +47,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                       help="dense peak per GPU (H100 SXM bf16 989, A100 bf16 312)")
     tool.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
     tool.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU")
+    tool.add_argument("--ckpt-write-gbps", type=float, default=2.0,
+                      help="checkpoint write bandwidth per rank (GB/s) for the save-time estimate")
     tool.add_argument("--validate", action="store_true",
                       help="estimate vs measured on CPU ranks, and published configurations")
     parser.set_defaults(max_position_embeddings=None, data_parallel_size=1)
@@ -73,7 +75,8 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
+def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
+           ckpt_write_gbps: float = 2.0) -> str:
     """The plan as text."""
     c, par = p.configs, p.configs.parallel
     tp, pp, v = p.layout.grid.tp, p.layout.grid.pp, p.layout.chunks_per_rank
@@ -111,6 +114,9 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float) -> str:
     lines.append(f"At {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s per GPU: {step:.4g} s/step, "
                  f"{p.layout.global_batch_size * t.seq_length / step:,.0f} tokens/s, "
                  f"{peak_tflops * mfu:.1f} TFLOP/s per GPU")
+    per_rank = max(p.checkpoint_bytes(stage) for stage in p.stages)
+    lines.append(f"Checkpoint save: {_size(per_rank)} per rank (every rank writes its slices at "
+                 f"once), {p.save_time(ckpt_write_gbps):.3g} s at {ckpt_write_gbps:g} GB/s per rank")
     message = (t.seq_length // par.context_parallel_size * t.micro_batch_size * m.hidden_size
                * ACTIVATION_BYTES[p.precision])
     lines += ["", f"Communication: a b s h message is {message / 2**20:.2f} MiB; per microbatch "
@@ -318,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         result = plan(configs, args.sequence_parallel)
     except ValueError as error:
         sys.exit(f"error: {error}")
-    print(report(result, args.peak_tflops, args.mfu, args.gpu_memory_gib))
+    print(report(result, args.peak_tflops, args.mfu, args.gpu_memory_gib, args.ckpt_write_gbps))
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@ One training step, in this order (megalite.training.train_step):
 (`clip_grad` > 0), steps the fp32 main params and copies them back (all-gathering the
 params with the distributed optimizer). It is `grad_stats()` (device [norm, found inf]),
 one host read, then `apply(norm, found_inf, loss_is_finite)`: the training step reads the
-grad statistics and its loss in one transfer, its one host sync. Checkpoints save `optimizer.state_dict()` (this
-rank's: torch optimizer state, fp32 main params, scaler; the shard with the distributed
-optimizer) and `scheduler.state_dict()`.
+grad statistics and its loss in one transfer, its one host sync. Checkpoints save each
+fragment's fp32 main params and torch optimizer state as slices of the global parameters
+(megalite.checkpoint_state: `Fragment.offset` places a fragment in its parameter), the
+scaler's and the scheduler's `state_dict()`; `optimizer.state_dict()` is this rank's state
+as one tree, loadable under the same layout only.
 """
 from torch import nn
 

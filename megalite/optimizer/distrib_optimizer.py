@@ -27,7 +27,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         a, b = max(start, lo), min(end, hi)
                         if a < b:
                             fragments.append(Fragment.of(param, buffer.param_data[a:b],
-                                                         buffer.grad_data[a:b]))
+                                                         buffer.grad_data[a:b], a - start))
         return fragments
 
     def _stats_groups(self) -> list:

@@ -26,21 +26,23 @@ class Fragment:
 
     main: fp32 values the torch optimizer steps (aliases the model param when it is fp32);
     grad: its fp32 grad, a view into the DDP buffer; target: the model-dtype view the
-    stepped values are copied into, None when `main` aliases it.
+    stepped values are copied into, None when `main` aliases it; offset: where `main`
+    starts in the flattened model param (checkpoints map it to the global tensor).
     """
 
     model_param: nn.Parameter
     main: torch.Tensor
     grad: torch.Tensor
     target: torch.Tensor | None
+    offset: int = 0
 
     @classmethod
-    def of(cls, model_param: nn.Parameter, values: torch.Tensor,
-           grad: torch.Tensor) -> "Fragment":
-        """`values` is (a view of) the model param's data."""
+    def of(cls, model_param: nn.Parameter, values: torch.Tensor, grad: torch.Tensor,
+           offset: int = 0) -> "Fragment":
+        """`values` is (a view of) the model param's data, from flat element `offset` on."""
         if values.dtype == torch.float32:
-            return cls(model_param, values, grad, None)
-        return cls(model_param, values.float(), grad, values)
+            return cls(model_param, values, grad, None, offset)
+        return cls(model_param, values.float(), grad, values, offset)
 
 
 def build_torch_optimizer(config: OptimizerConfig,
