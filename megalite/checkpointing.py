@@ -42,9 +42,10 @@ from megalite.checkpoint_io import (CheckpointFileError, fsync_dir, load_state, 
                                     write_json, write_tensors)
 from megalite.config import ModelConfig
 from megalite.data.tokenizers import Tokenizer
-from megalite.device import device_type
-from megalite.models.sharding import (full_state_dict, local_value, persistent_buffers,
-                                      unwrap)
+from megalite.device import current_device, device_type
+from megalite.models.sharding import (copy_tp_local, full_state_dict, is_fully_sharded,
+                                      local_shard, local_value, params_dtype,
+                                      persistent_buffers, unwrap)
 from megalite.models.spec import stage_of
 from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps
@@ -128,7 +129,7 @@ def _write_atomic_text(path: str, text: str) -> None:
 
 
 def _params_dtype(model: list[torch.nn.Module]) -> str:
-    return str(next(model[0].parameters()).dtype).removeprefix("torch.")
+    return str(params_dtype(model[0])).removeprefix("torch.")
 
 
 def _publish(root: str, iteration: int, tmp: str) -> None:
@@ -177,16 +178,19 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    finite = bool(torch.stack([torch.isfinite(p).all() for c in model for p in c.parameters()])
-                  .all())  # one device sync
+    finite = bool(torch.stack([torch.isfinite(local_shard(p)).all().to(current_device())
+                               for c in model for p in c.parameters()]).all())  # one sync
     ep_rank = ps.get_expert_model_parallel_rank()
-    if ps.get_expert_data_parallel_rank() == 0:  # DP rank 0, and the other EP ranks' experts
+    # DP rank 0 writes, and the other EP ranks' experts; fully sharded weights are gathered
+    # over DP on every rank first
+    if ps.get_expert_data_parallel_rank() == 0 or any(map(is_fully_sharded, model)):
         weights = {}
         for chunk in model:
             weights.update(full_state_dict(chunk))
         if ep_rank:
             weights = {k: v for k, v in weights.items() if ".local_experts." in k}
-        if ps.get_tensor_model_parallel_rank() == 0 and finite:
+        if ps.get_expert_data_parallel_rank() == ps.get_tensor_model_parallel_rank() == 0 \
+                and finite:
             write_tensors(model_file(tmp, ps.get_pipeline_model_parallel_rank(), ep_rank),
                           weights)
     if finite:
@@ -200,7 +204,7 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
             "params_dtype": _params_dtype(model), "optimizer": optimizer.settings(),
             "layout": current_layout(), **({"task": task_state} if task_state else {}),
             **_save_tokenizer(tmp, tokenizer)})
-    bad = torch.tensor([0.0 if finite else 1.0], device=next(model[0].parameters()).device)
+    bad = torch.tensor([0.0 if finite else 1.0], device=current_device())
     comm.all_reduce(bad, dist.group.WORLD, op=dist.ReduceOp.MAX)
     if bad.item():
         raise ValueError(f"save at iteration {iteration}: the weights hold NaN/Inf; {root} "
@@ -320,7 +324,7 @@ def load_model_weights(root: str, meta: dict, model: list[torch.nn.Module]) -> N
     for chunk in map(unwrap, model):
         for name, param in [*chunk.named_parameters(), *persistent_buffers(chunk)]:
             try:
-                param.copy_(local_value(full, name, param))
+                copy_tp_local(param, local_value(full, name, param))
             except KeyError as error:
                 raise CheckpointFileError(f"{directory}: no model file holds parameter "
                                           f"{error.args[0]!r}") from None
@@ -334,7 +338,7 @@ def load_checkpoint(root: str, model: list[torch.nn.Module], optimizer, schedule
     meta = read_meta(root)
     if meta is None:
         return 0, 0
-    check_compatible(meta, model_config, root, next(model[0].parameters()).dtype)
+    check_compatible(meta, model_config, root, params_dtype(model[0]))
     layout, settings = current_layout(), optimizer.settings()
     verify_checkpoint(root, meta, layout, dist.get_world_size(), settings)
     iteration = meta["iteration"]

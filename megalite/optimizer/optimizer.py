@@ -35,9 +35,13 @@ class Fragment:
     target: torch.Tensor | None
 
     @classmethod
-    def of(cls, model_param: nn.Parameter, values: torch.Tensor,
-           grad: torch.Tensor) -> "Fragment":
-        """`values` is (a view of) the model param's data."""
+    def of(cls, model_param: nn.Parameter, values: torch.Tensor, grad: torch.Tensor,
+           host: bool = False) -> "Fragment":
+        """`values` is (a view of) the model param's data; `host`: the fp32 main copy lives in
+        host memory (--optimizer-cpu-offload), even for fp32 params."""
+        if host:
+            return cls(model_param, values.detach().to("cpu", torch.float32, copy=True), grad,
+                       values)
         if values.dtype == torch.float32:
             return cls(model_param, values, grad, None)
         return cls(model_param, values.float(), grad, values)
@@ -114,9 +118,16 @@ def load_portable_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> N
 
 
 def optimizer_settings(config: OptimizerConfig) -> dict:
-    """What the saved optimizer state means: stored with checkpoints, compared on load."""
-    return {"optimizer": config.optimizer,
-            "use_distributed_optimizer": config.use_distributed_optimizer}
+    """What the saved optimizer state means: stored with checkpoints, compared on load (the
+    sharding and offload keys only when they differ from DDP / ZeRO-1 without offload, so
+    checkpoints written before they existed still resume)."""
+    settings = {"optimizer": config.optimizer,
+                "use_distributed_optimizer": config.sharding == "optim"}
+    if config.sharding not in ("no_shard", "optim"):
+        settings["sharding"] = config.sharding
+    if config.optimizer_cpu_offload:
+        settings["cpu_offload"] = True
+    return settings
 
 
 class MixedPrecisionOptimizer:
@@ -127,6 +138,7 @@ class MixedPrecisionOptimizer:
                  precision: PrecisionConfig) -> None:
         self.model_chunks, self.clip_grad, self.config = model_chunks, config.clip_grad, config
         self.scaler = build_grad_scaler(precision)
+        self.host = config.optimizer_cpu_offload
         self.fragments = self._build_fragments()
         self.optimizer = build_torch_optimizer(config, self.fragments)
         self._grad_norm: torch.Tensor | None = None  # on the device, from grad_stats()
@@ -203,6 +215,9 @@ class MixedPrecisionOptimizer:
             return False, None
         if not math.isfinite(grad_norm):
             return False, grad_norm
+        for f in self.fragments:  # main params in host memory (offload): grads to the host
+            if f.main.device != f.grad.device:
+                f.main.grad = f.grad.to(f.main.device)
         if self.clip_grad > 0 and self.clip_grad / (grad_norm + 1e-6) < 1.0:  # scale only when clipping
             torch.nn.utils.clip_grads_with_norm_([f.main for f in self.fragments],
                                                  self.clip_grad, self._grad_norm)
