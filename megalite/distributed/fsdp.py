@@ -3,8 +3,8 @@
 `shard_model(chunk, strategy, param_dtype, cpu_offload)` shards one built model chunk with
 `torch.distributed.fsdp.fully_shard`: one unit per transformer layer, per MoE layer's local
 experts (over the expert-data-parallel group, grads still divided by the full DP size as
-DistributedDataParallel does), per untied embedding and output layer, then the chunk as the
-root; dense units over the DP x CP group (`DeviceMesh.from_group`). megalite's TP layers keep
+DistributedDataParallel does), the first stage's embedding (unless tied to this chunk's
+head), then the chunk as the root (final norm, output layer); dense units over the DP x CP group (`DeviceMesh.from_group`). megalite's TP layers keep
 their plain TP-local tensors, which FSDP shards further along dim 0 over DP.
 
 - optim_grads (ZeRO-2): `reshard_after_forward=False`, parameters stay gathered from forward
@@ -26,6 +26,7 @@ embedding copies hold equal-shaped tensors split over equal-sized DP groups, so 
 DP shards cover the same elements.
 """
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -99,13 +100,18 @@ class FullyShardedChunk(nn.Module):
 
 
 def _mesh(group) -> DeviceMesh:
-    return DeviceMesh.from_group(group, device.device_type())
+    """A 1-D mesh over `group`. Named after the group: meshes over the same ranks compare
+    equal, and DTensor's sharding caches would hand a later layout a mesh (and so a group)
+    of an earlier one, already destroyed."""
+    return DeviceMesh.from_group(group, device.device_type(),
+                                 mesh_dim_names=(f"group_{group.group_name}",))
 
 
 def _units(module: nn.Module) -> list[tuple[nn.Module, bool]]:
     """(submodule, over expert-DP) to shard as units before the root, inner ones first: MoE
-    local experts, transformer layers, and the embedding / output layer unless the chunk's
-    head reads the word embedding of its own chunk (then both stay in the root)."""
+    local experts, transformer layers, and the first stage's embedding unless this chunk's
+    head reads it too. The output layer (read through `lm_logits`, not its forward) and a
+    tied copy stay in the root unit, gathered for the whole chunk."""
     units = []
     for sub in module.modules():
         if isinstance(sub, ParallelTransformerLayer):
@@ -113,10 +119,9 @@ def _units(module: nn.Module) -> list[tuple[nn.Module, bool]]:
                       if isinstance(moe, MoELayer)]
             units.append((sub, False))
     tied_here = getattr(module, "share_embeddings_and_output_weights", False) and \
-        getattr(module, "pre_process", False) and getattr(module, "post_process", False)
-    if not tied_here:
-        units += [(getattr(module, name), False) for name in ("embedding", "output_layer")
-                  if getattr(module, name, None) is not None]
+        getattr(module, "post_process", False)
+    if getattr(module, "pre_process", False) and not tied_here:
+        units.append((module.embedding, False))
     return units
 
 
@@ -129,6 +134,8 @@ def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
     expert) are kept on them."""
     if strategy not in FULLY_SHARDED:
         raise ValueError(f"shard_model: strategy {strategy!r} is not one of {FULLY_SHARDED}")
+    # the chunk's per-token loss is a transposed view; nothing changes it in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     zero3 = strategy == "optim_grads_params"
     pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
     attributes = {name: dict(p.__dict__) for name, p in chunk.named_parameters()}
@@ -144,8 +151,9 @@ def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
     for unit, expert in _units(chunk):
         fully_shard(unit, mesh=experts if expert else dense, reshard_after_forward=reshard,
                     mp_policy=policy, offload_policy=offload)
-        if expert:  # each expert's grad sums its whole EP group's tokens: mean over all DP
-            unit.set_gradient_divide_factor(float(dp_size))
+        if expert:  # each expert's grad sums its whole EP group's tokens: mean over all DP,
+            unit.set_gradient_divide_factor(float(dp_size))  # divided around a plain sum
+            unit.set_force_sum_reduction_for_comms(True)  # (gloo has no PREMUL_SUM)
     fully_shard(chunk, mesh=dense, reshard_after_forward=reshard, mp_policy=policy,
                 offload_policy=offload)
     for name, param in chunk.named_parameters():
