@@ -151,7 +151,8 @@ def _llama_grad_errors() -> dict:
     model = GPTModel(config, device=current_device())
     load_llama(model, hf.state_dict())
     chunk = shard_model(model, "optim_grads_params", torch.float32)
-    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(1),
+                           device="cpu")  # transformers runs on the CPU
     dp = ps.get_data_parallel_rank()
     mine = tokens[2 * dp:2 * dp + 2].to(current_device())
     chunk(mine[:, :-1], mine[:, 1:]).mean().backward()  # FSDP: the mean over DP of rank means

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.device import current_device
 from megalite.mpu import parallel_state
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.grad_stats import counts_toward_norm, found_inf_anywhere, global_grad_norm
@@ -173,6 +174,8 @@ class MixedPrecisionOptimizer:
             f.main.grad = None
 
     def _device(self) -> torch.device:
+        """Where the grads are (the host with FSDP's CPU offload); their statistics are
+        reduced on the rank's device (current_device), which NCCL needs."""
         return self.fragments[0].grad.device if self.fragments else torch.device("cpu")
 
     def _unscale_and_check(self) -> torch.Tensor:
@@ -182,7 +185,8 @@ class MixedPrecisionOptimizer:
             inv_scale = torch.full((1,), 1.0 / self.scaler.scale, device=self._device())
             torch._amp_foreach_non_finite_check_and_unscale_(
                 [f.grad for f in self.fragments], found_inf, inv_scale)
-        return found_inf_anywhere(found_inf, self._expert_stats_groups() + self._stats_groups())
+        return found_inf_anywhere(found_inf.to(current_device()),
+                                  self._expert_stats_groups() + self._stats_groups())
 
     @torch.no_grad()
     def grad_stats(self) -> torch.Tensor:
@@ -192,12 +196,12 @@ class MixedPrecisionOptimizer:
         for f in self.fragments:
             f.main.grad = f.grad
         found_inf = self._unscale_and_check() if self.scaler is not None else \
-            torch.zeros(1, dtype=torch.float32, device=self._device())
+            torch.zeros(1, dtype=torch.float32, device=current_device())
         counted = [f for f in self.fragments if counts_toward_norm(f.model_param)]
         expert = [getattr(f.model_param, "expert_parallel", False) for f in counted]
         self._grad_norm = global_grad_norm(
             [f.grad for f, e in zip(counted, expert) if not e], self._stats_groups(),
-            self._device(), [f.grad for f, e in zip(counted, expert) if e],
+            current_device(), [f.grad for f, e in zip(counted, expert) if e],
             self._expert_stats_groups())
         return torch.cat([self._grad_norm.reshape(1), found_inf])
 
