@@ -4,8 +4,9 @@
 `torch.distributed.fsdp.fully_shard`: one unit per transformer layer, per MoE layer's local
 experts (over the expert-data-parallel group, grads still divided by the full DP size as
 DistributedDataParallel does), the first stage's embedding (unless tied to this chunk's
-head), then the chunk as the root (final norm, output layer); dense units over the DP x CP group (`DeviceMesh.from_group`). megalite's TP layers keep
-their plain TP-local tensors, which FSDP shards further along dim 0 over DP.
+head), then the chunk as the root (final norm, output layer); dense units over the DP x CP
+group (`DeviceMesh.from_group`). megalite's TP layers keep their plain TP-local tensors,
+which FSDP shards further along dim 0 over DP.
 
 - optim_grads (ZeRO-2): `reshard_after_forward=False`, parameters stay gathered from forward
   to backward; grads are reduce-scattered and kept as shards.
@@ -19,8 +20,8 @@ their plain TP-local tensors, which FSDP shards further along dim 0 over DP.
 - `--optimizer-cpu-offload`: `CPUOffloadPolicy`: sharded params, grads and optimizer state
   on the host (pinned on CUDA), the optimizer steps there.
 
-After backward each sharded parameter gets `main_grad`, the plain local tensor of its grad
-shard, so `finalize_model_grads` (TP-partial grads, tied embedding, vocabulary padding) and the
+Each sharded parameter keeps a grad shard for the whole run (FSDP adds each step's
+reduce-scattered grads into it) and `main_grad`, its plain local tensor, so `finalize_model_grads` (TP-partial grads, tied embedding, vocabulary padding) and the
 optimizer read grads as they do under DistributedDataParallel: TP ranks and the two tied
 embedding copies hold equal-shaped tensors split over equal-sized DP groups, so their local
 DP shards cover the same elements.
@@ -54,8 +55,7 @@ class FullyShardedChunk(nn.Module):
         super().__init__()
         self.module, self.strategy, self.pipelined = module, strategy, pipelined
         self.param_dtype = param_dtype  # gathered and computed in; the shards stay fp32
-        self.data_parallel_group = data_parallel_group
-        self.use_distributed_optimizer = False  # not the ZeRO-1 grad buffer
+        self.data_parallel_group = data_parallel_group  # DP x CP: the grad statistics
         self.zero_grad_buffer()
 
     def forward(self, *args, **kwargs):
