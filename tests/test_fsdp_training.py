@@ -50,7 +50,7 @@ LAYOUTS = {
     "zero2 tp2 pp2 dp2": ("sgd", ZERO2 + TP2_PP2),
     "zero1 tp2 dp4 offload": ("adam", ["--use-distributed-optimizer", "--optimizer-cpu-offload",
                                        "--tp", "2"]),
-    "moe zero3 tp2 dp4 ep2": ("moe", ZERO3 + ["--tp", "2", "--ep", "2"]),
+    "moe zero3 tp2 dp4 ep2 sp": ("moe", ZERO3 + ["--tp", "2", "--ep", "2", "--sequence-parallel"]),
     "bf16 zero3 dp8": ("adam", ZERO3 + ["--bf16"]),
 }
 REFERENCES = {"sgd": SGD, "sgd clipped": SGD_CLIPPED, "adam": ADAM_CLIPPED,

@@ -21,7 +21,8 @@ which FSDP shards further along dim 0 over DP.
   on the host (pinned on CUDA), the optimizer steps there.
 
 Each sharded parameter keeps a grad shard for the whole run (FSDP adds each step's
-reduce-scattered grads into it) and `main_grad`, its plain local tensor, so `finalize_model_grads` (TP-partial grads, tied embedding, vocabulary padding) and the
+reduce-scattered grads into it) and `main_grad`, its plain local tensor, so
+`finalize_model_grads` (TP-partial grads, tied embedding, vocabulary padding) and the
 optimizer read grads as they do under DistributedDataParallel: TP ranks and the two tied
 embedding copies hold equal-shaped tensors split over equal-sized DP groups, so their local
 DP shards cover the same elements.

@@ -51,5 +51,5 @@ def get_optimizer(opt_config: OptimizerConfig, precision: PrecisionConfig,
 
 
 __all__ = ["get_optimizer", "optimizer_settings", "MixedPrecisionOptimizer", "DistributedOptimizer",
-           "FullyShardedOptimizer",           "OptimizerParamScheduler", "check_decay_iters", "DynamicGradScaler",
+           "FullyShardedOptimizer", "OptimizerParamScheduler", "check_decay_iters", "DynamicGradScaler",
            "ConstantGradScaler"]
