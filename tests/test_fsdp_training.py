@@ -57,6 +57,60 @@ REFERENCES = {"sgd": SGD, "sgd clipped": SGD_CLIPPED, "adam": ADAM_CLIPPED,
               "moe": SGD_CLIPPED + MOE_FLAGS}
 
 
+def _llama_grad_errors(config, weights: dict, want: dict, tokens: torch.Tensor) -> dict:
+    """TP2 x DP4 ZeRO-3 Llama (`config`, full megalite `weights`) on this DP rank's 2 of the 8
+    sequences of `tokens` vs `want`, transformers' grads on all 8 (megalite names): relative
+    error of each reduced grad shard, and the reference grads megalite has no parameter for
+    ("missing"). The reference is computed by the caller: the ranks never import transformers."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from megalite.device import current_device
+    from megalite.distributed.fsdp import shard_model
+    from megalite.models import GPTModel
+    from megalite.models.sharding import load_full_state_dict
+    from megalite.models.stage import finalize_model_grads
+    from megalite.mpu import initialize_model_parallel, model_parallel_seed
+    from megalite.mpu import parallel_state as ps
+    from megalite.mpu.layers import shard_tensor_parallel
+    initialize_model_parallel(2, 1)
+    model_parallel_seed(0, ps.get_tensor_model_parallel_rank())
+    model = GPTModel(config, device=current_device())
+    load_full_state_dict(model, weights)
+    chunk = shard_model(model, "optim_grads_params", torch.float32)
+    dp = ps.get_data_parallel_rank()
+    mine = tokens[2 * dp:2 * dp + 2].to(current_device())
+    chunk(mine[:, :-1], mine[:, 1:]).mean().backward()  # FSDP: the mean over DP of rank means
+    finalize_model_grads([chunk])
+    errors = {"missing": sorted(set(want) - {n for n, _ in chunk.module.named_parameters()})}
+    for name, param in chunk.module.named_parameters():
+        tp_local = shard_tensor_parallel(want[name], param).to(param.device)
+        shard = distribute_tensor(tp_local, param.device_mesh, param.placements,
+                                  src_data_rank=None).to_local()
+        errors[name] = rel_err(param.main_grad, shard) if shard.abs().max() > 0 else \
+            param.main_grad.abs().max().item()
+    return errors
+
+
+def test_llama_grads_at_tp2_dp4_zero3_equal_transformers_per_shard():
+    """GQA (2 groups), untied head, vocabulary 203 padded: transformers' grads of the mean
+    loss over 8 sequences, here, against the ranks' reduced shards."""
+    from megalite.hf import llama_config
+    from megalite.hf.llama import llama_to_megalite
+    from tests.reference import hf_token_loss
+    from tests.test_llama_hf_parity import SEQ, VOCAB, tiny_llama
+    hf = tiny_llama(num_key_value_heads=2)
+    config = llama_config(hf.config)
+    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    hf_token_loss(hf, tokens).backward()
+    want = llama_to_megalite({n: p.grad for n, p in hf.named_parameters()}, config)
+    results = run_on_ranks(8, _llama_grad_errors, config,
+                           llama_to_megalite(hf.state_dict(), config), want, tokens)
+    assert not any(errors.pop("missing") for errors in results), results
+    worst = max(max(errors.values()) for errors in results)
+    print("Llama TP2 x DP4 ZeRO-3 grads vs transformers, worst shard:", worst)
+    assert worst < 1e-5, results
+
+
 def _args(prefix: str, save: str, iters: int, *extra: str) -> list[str]:
     return tiny_args(prefix, save, iters, *NO_DROPOUT, *extra)
 
@@ -125,57 +179,3 @@ def test_bad_sharding_combinations_are_one_line_from_the_run_layout(flags, line)
     with pytest.raises(ValueError) as error:
         RunLayout.from_configs(configs, 4)
     assert line in str(error.value) and "\n" not in str(error.value)
-
-
-def _llama_grad_errors(config, weights: dict, want: dict, tokens: torch.Tensor) -> dict:
-    """TP2 x DP4 ZeRO-3 Llama (`config`, full megalite `weights`) on this DP rank's 2 of the 8
-    sequences of `tokens` vs `want`, transformers' grads on all 8 (megalite names): relative
-    error of each reduced grad shard, and the reference grads megalite has no parameter for
-    ("missing"). The reference is computed by the caller: the ranks never import transformers."""
-    from torch.distributed.tensor import distribute_tensor
-
-    from megalite.device import current_device
-    from megalite.distributed.fsdp import shard_model
-    from megalite.models import GPTModel
-    from megalite.models.sharding import load_full_state_dict
-    from megalite.models.stage import finalize_model_grads
-    from megalite.mpu import initialize_model_parallel, model_parallel_seed
-    from megalite.mpu import parallel_state as ps
-    from megalite.mpu.layers import shard_tensor_parallel
-    initialize_model_parallel(2, 1)
-    model_parallel_seed(0, ps.get_tensor_model_parallel_rank())
-    model = GPTModel(config, device=current_device())
-    load_full_state_dict(model, weights)
-    chunk = shard_model(model, "optim_grads_params", torch.float32)
-    dp = ps.get_data_parallel_rank()
-    mine = tokens[2 * dp:2 * dp + 2].to(current_device())
-    chunk(mine[:, :-1], mine[:, 1:]).mean().backward()  # FSDP: the mean over DP of rank means
-    finalize_model_grads([chunk])
-    errors = {"missing": sorted(set(want) - {n for n, _ in chunk.module.named_parameters()})}
-    for name, param in chunk.module.named_parameters():
-        tp_local = shard_tensor_parallel(want[name], param).to(param.device)
-        shard = distribute_tensor(tp_local, param.device_mesh, param.placements,
-                                  src_data_rank=None).to_local()
-        errors[name] = rel_err(param.main_grad, shard) if shard.abs().max() > 0 else \
-            param.main_grad.abs().max().item()
-    return errors
-
-
-def test_llama_grads_at_tp2_dp4_zero3_equal_transformers_per_shard():
-    """GQA (2 groups), untied head, vocabulary 203 padded: transformers' grads of the mean
-    loss over 8 sequences, here, against the ranks' reduced shards."""
-    from megalite.hf import llama_config
-    from megalite.hf.llama import llama_to_megalite
-    from tests.reference import hf_token_loss
-    from tests.test_llama_hf_parity import SEQ, VOCAB, tiny_llama
-    hf = tiny_llama(num_key_value_heads=2)
-    config = llama_config(hf.config)
-    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    hf_token_loss(hf, tokens).backward()
-    want = llama_to_megalite({n: p.grad for n, p in hf.named_parameters()}, config)
-    results = run_on_ranks(8, _llama_grad_errors, config,
-                           llama_to_megalite(hf.state_dict(), config), want, tokens)
-    assert not any(errors.pop("missing") for errors in results), results
-    worst = max(max(errors.values()) for errors in results)
-    print("Llama TP2 x DP4 ZeRO-3 grads vs transformers, worst shard:", worst)
-    assert worst < 1e-5, results
