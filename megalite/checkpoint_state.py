@@ -9,13 +9,16 @@ so the ranks of a DP group write disjoint parts in parallel. With the range go t
 ("optim.exp_avg", ...); per-parameter scalars (Adam's step) go to the index. A rank loads its
 whole TP-local parameter and, for the optimizer, the range of each of its fragments.
 """
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megalite.checkpoint_shards import ShardReader, ShardWriter
+from megalite.distributed.fsdp import fsdp_shard_start
 from megalite.checkpoint_slices import (box_slices, box_view, even_range, expert_placement,
                                         flat_boxes, global_shape, to_global, writes_param)
 from megalite.models.sharding import full_names, persistent_buffers, unwrap
@@ -47,7 +50,7 @@ def entries(name: str, param: torch.Tensor) -> list[Entry]:
     if not hasattr(param, "expert_keys"):
         return [Entry(name, param, 0, param.numel())]
     placement = expert_placement(param)
-    n = param[0].numel()
+    n = math.prod(param.shape[1:])
     return [Entry(key, placement, i * n, n) for i, key in enumerate(full_names(name, param))]
 
 
@@ -80,8 +83,10 @@ def _pieces(name: str, param: torch.Tensor, start: int, end: int):
 
 def local_values(param: nn.Parameter) -> tuple[torch.Tensor, int]:
     """(this rank's values of the TP-local `param`, flattened; where they start in it): the
-    whole of it. (A parameter sharded further over DP, as FSDP's dim-0 chunk, returns its
-    chunk and the chunk's flat start: everything below works on flat ranges.)"""
+    whole of it, or under FSDP (a DTensor sharded on dim 0 over DP) its local chunk of rows
+    and the chunk's flat start. Everything below works on flat ranges."""
+    if isinstance(param, DTensor):
+        return param.detach().to_local().view(-1), fsdp_shard_start(param, flat=True)
     return param.detach().view(-1), 0
 
 
@@ -110,7 +115,7 @@ def collect_shards(model: list[nn.Module], optimizer, writer: ShardWriter) -> No
             continue
         start, end = ((fragment.offset, fragment.offset + fragment.main.numel()) if distributed
                       else _dp_range(param, chunk))
-        sources = {"model": local_values(param)}
+        sources = {"model": local_values(param)}  # under FSDP: the fragment's own range
         if fragment is not None:
             state = states.get(fragment.main, {})
             sources.update(_flat_sources(fragment, state))
@@ -166,8 +171,10 @@ def load_optimizer(reader: ShardReader, model: list[nn.Module], optimizer) -> No
         values = {kind.removeprefix("optim."): torch.zeros_like(fragment.main)  # padding: 0
                   for kind in kinds if reader.has(kind, first)}
         targets = {f"optim.{k}": v.view(-1) for k, v in values.items()}
-        if fragment.target is not None and reader.has("main", first):
+        if reader.has("main", first):  # fp32 masters (an fp32 param is its own master)
             targets["main"] = fragment.main.view(-1)
+        elif fragment.target is not None:  # saved where the masters were the params (FSDP)
+            targets["model"] = fragment.main.view(-1)
         for entry, a, b, box, sub, glob in _pieces(name, fragment.model_param, start, end):
             for kind, flat in targets.items():
                 reader.read_into(kind, entry.name, glob,

@@ -50,6 +50,7 @@ from megalite.checkpoint_state import collect_shards, load_optimizer, load_weigh
 from megalite.config import ModelConfig
 from megalite.data.tokenizers import Tokenizer
 from megalite.device import device_type
+from megalite.models.sharding import local_shard, params_dtype
 from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.random import get_rng_tracker, model_parallel_seed
@@ -133,7 +134,7 @@ def _write_atomic_text(path: str, text: str) -> None:
 
 
 def _params_dtype(model: list[torch.nn.Module]) -> str:
-    return str(next(model[0].parameters()).dtype).removeprefix("torch.")
+    return str(params_dtype(model[0])).removeprefix("torch.")
 
 
 def _publish(root: str, iteration: int, tmp: str) -> None:
@@ -226,7 +227,8 @@ def save_checkpoint(root: str, iteration: int, model: list[torch.nn.Module], opt
     """
     rank = dist.get_rank()
     device = next(model[0].parameters()).device
-    bad = torch.stack([torch.isfinite(p).all() for c in model for p in c.parameters()]).all()
+    bad = torch.stack([torch.isfinite(local_shard(p)).all() for c in model
+                       for p in c.parameters()]).all()
     bad = (~bad).float().reshape(1)
     comm.all_reduce(bad, dist.group.WORLD, op=dist.ReduceOp.MAX)
     if bad.item():
@@ -408,7 +410,7 @@ def load_checkpoint(root: str, model: list[torch.nn.Module], optimizer, schedule
     meta = read_meta(root)
     if meta is None:
         return 0, 0
-    check_compatible(meta, model_config, root, next(model[0].parameters()).dtype)
+    check_compatible(meta, model_config, root, params_dtype(model[0]))
     layout, settings = current_layout(), optimizer.settings()
     verify_checkpoint(root, meta, layout, dist.get_world_size())
     iteration, reader = meta["iteration"], checkpoint_reader(root, meta)

@@ -23,6 +23,9 @@ def arg(default, help: str, aliases: tuple[str, ...] = (), choices=None, **kw):
     return field(metadata={"help": help, "aliases": aliases, "choices": choices, **kw}, **factory)
 
 
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
 @dataclass
 class ModelConfig:
     """Transformer shape and regularisation (GPT-2 defaults where they apply; Llama: RMSNorm,
@@ -304,10 +307,25 @@ class OptimizerConfig:
     adam_eps: float = arg(1e-8, "Adam epsilon")
     sgd_momentum: float = arg(0.9, "SGD momentum")
     clip_grad: float = arg(1.0, "clip the global grad L2 norm to this (0: off)")
-    use_distributed_optimizer: bool = arg(False, "shard optimizer state over DP (ZeRO-1)")
+    use_distributed_optimizer: bool = arg(
+        False, "shard optimizer state over DP (ZeRO-1): --data-parallel-sharding-strategy optim")
+    data_parallel_sharding_strategy: str | None = arg(
+        None, "what data parallelism shards over DP x CP: no_shard (DDP), optim (ZeRO-1, the "
+        "distributed optimizer), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3; FSDP2) "
+        "(default: optim with --use-distributed-optimizer, else no_shard)",
+        choices=SHARDING_STRATEGIES)
+    optimizer_cpu_offload: bool = arg(
+        False, "fp32 master params and optimizer state in host memory, stepped there (needs a "
+        "sharded strategy; with optim_grads_params the sharded params too)")
     ddp_bucket_size: int = arg(40_000_000, "elements per DP gradient all-reduce bucket")
     overlap_grad_reduce: bool = arg(True, "start bucket reductions during backward",
                                     negatable=True)
+
+    @property
+    def sharding(self) -> str:
+        """The data-parallel sharding strategy (--use-distributed-optimizer: optim)."""
+        return self.data_parallel_sharding_strategy or (
+            "optim" if self.use_distributed_optimizer else "no_shard")
 
     def __post_init__(self) -> None:
         if self.min_lr > self.lr:

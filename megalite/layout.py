@@ -11,7 +11,8 @@ and the entry scripts read it; layer constructors keep only cheap asserts.
 """
 from dataclasses import dataclass
 
-from megalite.config import Configs, ModelConfig, ParallelConfig, TrainConfig
+from megalite.config import (Configs, ModelConfig, OptimizerConfig, ParallelConfig,
+                             TrainConfig)
 from megalite.mpu.attention import check_attention_split
 from megalite.mpu.parallel_state import GridLayout
 from megalite.optimizer.scheduler import check_decay_iters
@@ -29,7 +30,8 @@ class RunLayout:
     num_microbatches: int      # per step per DP rank
     seq_length: int
     sequence_parallel: bool
-    sharding: str              # data-parallel sharding: no_shard (DDP) or optim (ZeRO-1)
+    sharding: str              # no_shard (DDP), optim (ZeRO-1), optim_grads, optim_grads_params
+    cpu_offload: bool = False  # --optimizer-cpu-offload
 
     @property
     def world_size(self) -> int:
@@ -57,8 +59,9 @@ class RunLayout:
         ep = f" (EP {g.ep})" if g.ep > 1 else ""
         split = self.seq_length_per_rank
         tokens = f" | seq {self.seq_length}, {split} per rank" if split < self.seq_length else ""
+        offload = ", CPU offload" if self.cpu_offload else ""
         return (f"world {g.world_size} = TP {g.tp} x {cp}PP {g.pp}{vpp} x DP {g.dp}{ep} | "
-                f"sharding {self.sharding}{tokens}")
+                f"sharding {self.sharding}{offload}{tokens}")
 
     @classmethod
     def from_configs(cls, configs: Configs, world_size: int) -> "RunLayout":
@@ -85,9 +88,25 @@ class RunLayout:
         schedule.check_microbatches(grid.pp, microbatches)
         o = configs.optimizer
         check_decay_iters(o.lr_decay_style, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters)
-        sharding = "optim" if o.use_distributed_optimizer else "no_shard"
+        check_sharding(o, schedule)
         return cls(grid, schedule, t.micro_batch_size, global_batch, microbatches, t.seq_length,
-                   p.sequence_parallel, sharding)
+                   p.sequence_parallel, o.sharding, o.optimizer_cpu_offload)
+
+
+def check_sharding(o: OptimizerConfig, schedule: ScheduleKind) -> None:
+    """One clear ValueError for a sharding strategy the run cannot use."""
+    strategy = o.sharding
+    if o.use_distributed_optimizer and strategy == "no_shard":
+        raise ValueError("--use-distributed-optimizer shards the optimizer state: it cannot go "
+                         "with --data-parallel-sharding-strategy no_shard")
+    if o.optimizer_cpu_offload and strategy == "no_shard":
+        raise ValueError("--optimizer-cpu-offload needs a sharded --data-parallel-sharding-"
+                         "strategy (optim, optim_grads or optim_grads_params)")
+    if strategy in ("optim_grads", "optim_grads_params") and schedule.split_backward:
+        raise ValueError(f"--data-parallel-sharding-strategy {strategy} cannot run the "
+                         f"{schedule.name} schedule: it defers weight gradients past the "
+                         f"backward whose end FSDP reduce-scatters them at (use 1f1b or "
+                         f"interleaved, or --data-parallel-sharding-strategy optim)")
 
 
 def global_batch_size(train: TrainConfig, data_parallel_size: int) -> int:

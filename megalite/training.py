@@ -22,6 +22,7 @@ from megalite.config import Configs
 from megalite.data.gpt_dataset import check_data
 from megalite.data.loader import TimedIterator
 from megalite.distributed import DistributedDataParallel
+from megalite.distributed.fsdp import FULLY_SHARDED, shard_model
 from megalite.layout import RunLayout
 from megalite.log_writers import check_available
 from megalite.moe import update_expert_bias
@@ -72,7 +73,9 @@ def setup_parallel(configs: Configs, layout: RunLayout) -> None:
 
 
 def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Module]:
-    """This rank's model chunks (one, or v with interleaving), on device, wrapped for DP.
+    """This rank's model chunks (one, or v with interleaving), on device, wrapped for DP:
+    DistributedDataParallel (no_shard, optim: megalite's grad buffer) or fully sharded
+    (optim_grads, optim_grads_params: torch FSDP2, megalite.distributed.fsdp).
 
     `model_provider(pre_process=..., post_process=...)` builds the chunk of the current
     virtual rank (see megalite.models.stage.build_model_chunks).
@@ -80,9 +83,12 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
     chunks = build_model_chunks(model_provider)
     sync_shared_embedding(chunks)
     o = configs.optimizer
+    if o.sharding in FULLY_SHARDED:
+        return [shard_model(chunk, o.sharding, configs.precision.params_dtype,
+                            o.optimizer_cpu_offload) for chunk in chunks]
     return [DistributedDataParallel(chunk, bucket_size=o.ddp_bucket_size,
                                     overlap_grad_reduce=o.overlap_grad_reduce,
-                                    use_distributed_optimizer=o.use_distributed_optimizer)
+                                    use_distributed_optimizer=o.sharding == "optim")
             for chunk in chunks]
 
 

@@ -18,6 +18,10 @@ keeps its own (`DistributedDataParallel` here, not torch's):
   `finish_grad_sync()` at a point the training step chooses (before the tied-embedding
   all-reduce and the optimizer), which also works under pipeline schedules that run
   many backwards per chunk.
+
+The fully sharded strategies (ZeRO-2 `optim_grads`, ZeRO-3 `optim_grads_params`) run on
+torch's FSDP2 instead: `megalite.distributed.fsdp.shard_model` wraps a chunk with the same
+step interface.
 """
 from megalite.distributed.ddp import DistributedDataParallel
 from megalite.distributed.grad_buffer import Bucket, GradBuffer

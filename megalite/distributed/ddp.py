@@ -34,6 +34,7 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
+        self.strategy = "optim" if use_distributed_optimizer else "no_shard"
         self.data_parallel_group = (parallel_state.get_data_parallel_group(
                                         with_context_parallel=True)
                                     if data_parallel_group is None else data_parallel_group)

@@ -9,6 +9,7 @@ the names looped experts have; persistent buffers (the routers' expert bias) are
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from megalite.mpu import comm, parallel_state
 from megalite.mpu.layers import gather_tensor_parallel, shard_tensor_parallel
@@ -17,6 +18,37 @@ from megalite.mpu.layers import gather_tensor_parallel, shard_tensor_parallel
 def unwrap(chunk: nn.Module) -> nn.Module:
     """The model inside a data-parallel wrapper (which keeps it as `.module`)."""
     return getattr(chunk, "module", chunk)
+
+
+def gather_data_parallel(param: torch.Tensor) -> torch.Tensor:
+    """The TP-local tensor of `param`: all-gathered over its DP group when fully sharded (a
+    DTensor, megalite.distributed.fsdp), else `param` itself."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+@torch.no_grad()
+def copy_tp_local(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Fill `param` with the TP-local tensor `value` (when fully sharded: this rank's DP shard
+    of it; no communication)."""
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh,
+                                  param.placements, src_data_rank=None)
+    param.copy_(value)
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `param`: the local DP shard when fully sharded, else `param`."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def is_fully_sharded(chunk: nn.Module) -> bool:
+    """Whether the chunk's parameters are DP-sharded DTensors (megalite.distributed.fsdp)."""
+    return any(isinstance(p, DTensor) for p in chunk.parameters())
+
+
+def params_dtype(chunk: nn.Module) -> torch.dtype:
+    """The dtype the chunk computes in (fully sharded chunks keep fp32 masters)."""
+    return getattr(chunk, "param_dtype", None) or next(chunk.parameters()).dtype
 
 
 def _chunks(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
@@ -34,7 +66,8 @@ def full_state_dict(model: nn.Module | list[nn.Module], group=None,
         for name, param in chunk.named_parameters():
             if skip_shared_copies and getattr(param, "shared_embedding_copy", False):
                 continue
-            full = gather_tensor_parallel(param.detach(), param, group).cpu()
+            full = gather_tensor_parallel(gather_data_parallel(param.detach()), param,
+                                          group).cpu()
             if hasattr(param, "expert_keys"):  # one entry per expert, each its own storage
                 out.update((key, expert.clone()) for key, expert in
                            zip(full_names(name, param), full.unbind(0)))
@@ -81,7 +114,7 @@ def load_full_state_dict(model: nn.Module | list[nn.Module], state: dict[str, to
     for chunk in _chunks(model):
         for name, param in [*chunk.named_parameters(), *persistent_buffers(chunk)]:
             try:
-                param.copy_(local_value(state, name, param, group))
+                copy_tp_local(param, local_value(state, name, param, group))
             except KeyError as error:
                 if name.startswith(optional):
                     continue

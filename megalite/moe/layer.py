@@ -28,6 +28,19 @@ from megalite.mpu.random import init_generator, seeded
 from megalite.mpu.weight_grad import linear
 
 
+class LocalExperts(nn.ModuleDict):
+    """This EP rank's experts (ParallelMLPs by global expert index); a module of its own so
+    data parallelism can treat them apart (FSDP shards them over expert-DP).
+    forward(rows [M, h] grouped by local expert, counts per local expert) -> [M, h]: one
+    matmul pair per expert (also for an expert with no rows, so every expert has a grad);
+    weight grads are deferrable (zb-h1, zbv)."""
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return torch.cat([linear(mlp.activate(linear(part, mlp.dense_h_to_4h.weight)),
+                                 mlp.dense_4h_to_h.weight)
+                          for mlp, part in zip(self.values(), rows.split(counts))])
+
+
 class MoELayer(nn.Module):
     """forward(x [s, b, h]) -> [s, b, h].
 
@@ -94,7 +107,8 @@ class MoELayer(nn.Module):
         for e in range(first, first + local):
             with seeded(seeds[e]):
                 experts[str(e)] = ParallelMLP(hidden_size, ffn_hidden_size, **kw)
-        self.local_experts = GroupedExperts(experts) if grouped_gemm else nn.ModuleDict(experts)
+        self.local_experts = GroupedExperts(experts) if grouped_gemm else \
+            LocalExperts(experts)
         for param in self.local_experts.parameters():
             param.expert_parallel = True
         self.shared_experts = ParallelMLP(hidden_size, shared_expert_size, **kw,
@@ -109,15 +123,9 @@ class MoELayer(nn.Module):
             self.shared_expert_gate.tp_grad_partial = self.sequence_parallel
 
     def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows grouped by local expert [M, h] -> this TP rank's partial outputs [M, h]:
-        grouped, or one matmul pair per expert (also for an expert with no rows, so every
-        expert has a grad; weight grads deferrable for zb-h1, zbv)."""
-        if isinstance(self.local_experts, GroupedExperts):
-            return self.local_experts(rows, counts)
-        outs = [linear(mlp.activate(linear(part, mlp.dense_h_to_4h.weight)),
-                       mlp.dense_4h_to_h.weight)
-                for mlp, part in zip(self.local_experts.values(), rows.split(counts))]
-        return torch.cat(outs)
+        """Rows grouped by local expert [M, h] -> this TP rank's partial outputs [M, h]
+        (GroupedExperts or LocalExperts)."""
+        return self.local_experts(rows, counts)
 
     def _experts_output(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows [M, h] -> expert outputs [M, h], complete (all-reduced over TP), or partial

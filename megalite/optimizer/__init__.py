@@ -24,7 +24,7 @@ as one tree, loadable under the same layout only.
 from torch import nn
 
 from megalite.config import OptimizerConfig, PrecisionConfig
-from megalite.optimizer.distrib_optimizer import DistributedOptimizer
+from megalite.optimizer.distrib_optimizer import DistributedOptimizer, FullyShardedOptimizer
 from megalite.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer, optimizer_settings
 from megalite.optimizer.scheduler import OptimizerParamScheduler, check_decay_iters
@@ -33,22 +33,25 @@ from megalite.optimizer.scheduler import OptimizerParamScheduler, check_decay_it
 def get_optimizer(opt_config: OptimizerConfig, precision: PrecisionConfig,
                   model_chunks: nn.Module | list[nn.Module], train_iters: int | None = None
                   ) -> tuple[MixedPrecisionOptimizer, OptimizerParamScheduler]:
-    """The optimizer for this rank's DistributedDataParallel-wrapped chunks, and its LR
-    scheduler (decaying over --lr-decay-iters, default `train_iters`)."""
+    """The optimizer for this rank's wrapped chunks (DistributedDataParallel, or shard_model
+    for optim_grads / optim_grads_params), and its LR scheduler (decaying over
+    --lr-decay-iters, default `train_iters`)."""
     chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
     for chunk in chunks:
-        if not hasattr(chunk, "grad_buffers"):
-            raise TypeError("get_optimizer: wrap each model chunk in "
-                            "megalite.distributed.DistributedDataParallel first")
-        if chunk.use_distributed_optimizer != opt_config.use_distributed_optimizer:
-            raise ValueError("get_optimizer: DistributedDataParallel(use_distributed_optimizer="
-                             f"{chunk.use_distributed_optimizer}) does not match "
-                             f"--use-distributed-optimizer={opt_config.use_distributed_optimizer}")
-    cls = DistributedOptimizer if opt_config.use_distributed_optimizer else MixedPrecisionOptimizer
+        if not hasattr(chunk, "strategy"):
+            raise TypeError("get_optimizer: wrap each model chunk in megalite.distributed."
+                            "DistributedDataParallel (or megalite.distributed.fsdp.shard_model) "
+                            "first")
+        if chunk.strategy != opt_config.sharding:
+            raise ValueError(f"get_optimizer: the chunk is wrapped for sharding "
+                             f"{chunk.strategy!r}, but --data-parallel-sharding-strategy / "
+                             f"--use-distributed-optimizer ask for {opt_config.sharding!r}")
+    cls = {"no_shard": MixedPrecisionOptimizer, "optim": DistributedOptimizer}.get(
+        opt_config.sharding, FullyShardedOptimizer)
     optimizer = cls(chunks, opt_config, precision)
     return optimizer, OptimizerParamScheduler.from_config(optimizer, opt_config, train_iters)
 
 
 __all__ = ["get_optimizer", "optimizer_settings", "MixedPrecisionOptimizer", "DistributedOptimizer",
-           "OptimizerParamScheduler", "check_decay_iters", "DynamicGradScaler",
+           "FullyShardedOptimizer", "OptimizerParamScheduler", "check_decay_iters", "DynamicGradScaler",
            "ConstantGradScaler"]

@@ -7,7 +7,9 @@ this rank steps only the pieces of parameters inside it (one Fragment per piece,
 1-D params still skip weight decay), writes them into the param buffer and all-gathers
 every bucket's params over DP. Grad statistics (norm, overflow) are reduced over the
 DP group and then the model-parallel group, since each rank sees only its shard.
+FullyShardedOptimizer steps the shards of fully sharded chunks (ZeRO-2/3) in place.
 """
+from megalite.distributed.fsdp import fsdp_shard_start
 from megalite.mpu import parallel_state
 from megalite.optimizer.optimizer import Fragment, MixedPrecisionOptimizer
 
@@ -27,7 +29,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         a, b = max(start, lo), min(end, hi)
                         if a < b:
                             fragments.append(Fragment.of(param, buffer.param_data[a:b],
-                                                         buffer.grad_data[a:b], a - start))
+                                                         buffer.grad_data[a:b], a - start,
+                                                         self.host))
         return fragments
 
     def _stats_groups(self) -> list:
@@ -43,3 +46,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for chunk in self.model_chunks:
             for bucket in chunk.buckets():
                 bucket.gather_params()
+
+
+class FullyShardedOptimizer(DistributedOptimizer):
+    """The optimizer of fully sharded chunks (megalite.distributed.fsdp, ZeRO-2/3): steps each
+    parameter's local DP shard, the fp32 master itself (on the host with CPU offload), with
+    the grad shard FSDP reduce-scattered; FSDP gathers the params again at the next forward.
+    Grad statistics as the distributed optimizer's (expert shards lie over expert-DP x EP =
+    the DP group)."""
+
+    def _build_fragments(self) -> list[Fragment]:
+        return [Fragment(p, p.detach().to_local(), p.main_grad, None,
+                         fsdp_shard_start(p, flat=True))
+                for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad]
+
+    def _copy_main_to_model(self) -> None:
+        """Nothing: the masters are the sharded params."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.device import current_device
 from megalite.mpu import parallel_state
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.grad_stats import counts_toward_norm, found_inf_anywhere, global_grad_norm
@@ -38,8 +39,13 @@ class Fragment:
 
     @classmethod
     def of(cls, model_param: nn.Parameter, values: torch.Tensor, grad: torch.Tensor,
-           offset: int = 0) -> "Fragment":
-        """`values` is (a view of) the model param's data, from flat element `offset` on."""
+           offset: int = 0, host: bool = False) -> "Fragment":
+        """`values` is (a view of) the model param's data, from flat element `offset` on;
+        `host`: the fp32 main copy lives in host memory (--optimizer-cpu-offload), even for
+        fp32 params."""
+        if host:
+            return cls(model_param, values.detach().to("cpu", torch.float32, copy=True), grad,
+                       values, offset)
         if values.dtype == torch.float32:
             return cls(model_param, values, grad, None, offset)
         return cls(model_param, values.float(), grad, values, offset)
@@ -116,9 +122,16 @@ def load_portable_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> N
 
 
 def optimizer_settings(config: OptimizerConfig) -> dict:
-    """What the saved optimizer state means: stored with checkpoints, compared on load."""
-    return {"optimizer": config.optimizer,
-            "use_distributed_optimizer": config.use_distributed_optimizer}
+    """What the saved optimizer state means: stored with checkpoints, compared on load (the
+    sharding and offload keys only when they differ from DDP / ZeRO-1 without offload, so
+    checkpoints written before they existed still resume)."""
+    settings = {"optimizer": config.optimizer,
+                "use_distributed_optimizer": config.sharding == "optim"}
+    if config.sharding not in ("no_shard", "optim"):
+        settings["sharding"] = config.sharding
+    if config.optimizer_cpu_offload:
+        settings["cpu_offload"] = True
+    return settings
 
 
 class MixedPrecisionOptimizer:
@@ -129,6 +142,7 @@ class MixedPrecisionOptimizer:
                  precision: PrecisionConfig) -> None:
         self.model_chunks, self.clip_grad, self.config = model_chunks, config.clip_grad, config
         self.scaler = build_grad_scaler(precision)
+        self.host = config.optimizer_cpu_offload
         self.fragments = self._build_fragments()
         self.optimizer = build_torch_optimizer(config, self.fragments)
         self._grad_norm: torch.Tensor | None = None  # on the device, from grad_stats()
@@ -163,6 +177,8 @@ class MixedPrecisionOptimizer:
             f.main.grad = None
 
     def _device(self) -> torch.device:
+        """Where the grads are (the host with FSDP's CPU offload); their statistics are
+        reduced on the rank's device (current_device), which NCCL needs."""
         return self.fragments[0].grad.device if self.fragments else torch.device("cpu")
 
     def _unscale_and_check(self) -> torch.Tensor:
@@ -172,7 +188,8 @@ class MixedPrecisionOptimizer:
             inv_scale = torch.full((1,), 1.0 / self.scaler.scale, device=self._device())
             torch._amp_foreach_non_finite_check_and_unscale_(
                 [f.grad for f in self.fragments], found_inf, inv_scale)
-        return found_inf_anywhere(found_inf, self._expert_stats_groups() + self._stats_groups())
+        return found_inf_anywhere(found_inf.to(current_device()),
+                                  self._expert_stats_groups() + self._stats_groups())
 
     @torch.no_grad()
     def grad_stats(self) -> torch.Tensor:
@@ -182,12 +199,12 @@ class MixedPrecisionOptimizer:
         for f in self.fragments:
             f.main.grad = f.grad
         found_inf = self._unscale_and_check() if self.scaler is not None else \
-            torch.zeros(1, dtype=torch.float32, device=self._device())
+            torch.zeros(1, dtype=torch.float32, device=current_device())
         counted = [f for f in self.fragments if counts_toward_norm(f.model_param)]
         expert = [getattr(f.model_param, "expert_parallel", False) for f in counted]
         self._grad_norm = global_grad_norm(
             [f.grad for f, e in zip(counted, expert) if not e], self._stats_groups(),
-            self._device(), [f.grad for f, e in zip(counted, expert) if e],
+            current_device(), [f.grad for f, e in zip(counted, expert) if e],
             self._expert_stats_groups())
         return torch.cat([self._grad_norm.reshape(1), found_inf])
 
@@ -205,6 +222,9 @@ class MixedPrecisionOptimizer:
             return False, None
         if not math.isfinite(grad_norm):
             return False, grad_norm
+        for f in self.fragments:  # main params in host memory (offload): grads to the host
+            if f.main.device != f.grad.device:
+                f.main.grad = f.grad.to(f.main.device)
         if self.clip_grad > 0 and self.clip_grad / (grad_norm + 1e-6) < 1.0:  # scale only when clipping
             torch.nn.utils.clip_grads_with_norm_([f.main for f in self.fragments],
                                                  self.clip_grad, self._grad_norm)

@@ -1,0 +1,184 @@
+"""Fully sharded data parallelism (ZeRO-2 / ZeRO-3) on torch FSDP2, composed with TP, PP, CP, EP.
+
+`shard_model(chunk, strategy, param_dtype, cpu_offload)` shards one built model chunk with
+`torch.distributed.fsdp.fully_shard`: one unit per transformer layer, per MoE layer's local
+experts (over the expert-data-parallel group, grads still divided by the full DP size as
+DistributedDataParallel does), the first stage's embedding (unless tied to this chunk's
+head), then the chunk as the root (final norm, output layer); dense units over the DP x CP
+group (`DeviceMesh.from_group`). megalite's TP layers keep their plain TP-local tensors,
+which FSDP shards further along dim 0 over DP.
+
+- optim_grads (ZeRO-2): `reshard_after_forward=False`, parameters stay gathered from forward
+  to backward; grads are reduce-scattered and kept as shards.
+- optim_grads_params (ZeRO-3): parameters resharded after forward and gathered again for
+  backward. Under PP (as torchtitan) they stay gathered across the microbatches of a step:
+  no reshard after forward, nor after any backward but the chunk's last of the step.
+- Gradients are reduced once per step: `no_sync()` (the executor's, for every backward of a
+  chunk but its last) turns off FSDP's gradient sync, so unsharded grads accumulate.
+- bf16 / fp16: `MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`: the sharded
+  parameters are the fp32 masters the optimizer steps (no second copy).
+- `--optimizer-cpu-offload`: `CPUOffloadPolicy`: sharded params, grads and optimizer state
+  on the host (pinned on CUDA), the optimizer steps there.
+
+Each sharded parameter keeps a grad shard for the whole run (FSDP adds each step's
+reduce-scattered grads into it) and `main_grad`, its plain local tensor, so
+`finalize_model_grads` (TP-partial grads, tied embedding, vocabulary padding) and the
+optimizer read grads as they do under DistributedDataParallel: TP ranks and the two tied
+embedding copies hold equal-shaped tensors split over equal-sized DP groups, so their local
+DP shards cover the same elements.
+"""
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard)
+from torch.distributed.tensor import DTensor
+
+from megalite import device
+from megalite.models.transformer import ParallelTransformerLayer
+from megalite.moe.layer import MoELayer
+from megalite.mpu import comm, parallel_state
+
+FULLY_SHARDED = ("optim_grads", "optim_grads_params")
+
+
+class FullyShardedChunk(nn.Module):
+    """One model chunk sharded by `shard_model`, with DistributedDataParallel's step interface
+    (`no_sync`, `finish_grad_sync`, `zero_grad_buffer`); calls and unknown attributes go to
+    the sharded module."""
+
+    def __init__(self, module: nn.Module, strategy: str, pipelined: bool, data_parallel_group,
+                 param_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.strategy, self.pipelined = module, strategy, pipelined
+        self.param_dtype = param_dtype  # gathered and computed in; the shards stay fp32
+        self.data_parallel_group = data_parallel_group  # DP x CP: the grad statistics
+        self.zero_grad_buffer()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    def _set_last_backward(self, last: bool) -> None:
+        self.module.set_requires_gradient_sync(last)
+        self.module.set_is_last_backward(last)
+        if self.pipelined:
+            self.module.set_reshard_after_backward(last)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate unsharded grads (all but the last of a step)."""
+        self._set_last_backward(False)
+        try:
+            yield
+        finally:
+            self._set_last_backward(True)
+
+    def finish_grad_sync(self) -> None:
+        """Nothing to wait for: FSDP finishes the reduce-scatters at the end of the chunk's
+        last backward, accumulating into the persistent grad shards."""
+
+    @torch.no_grad()
+    def zero_grad_buffer(self) -> None:
+        """Zero every grad shard for the next step (allocated once: FSDP adds into them, and
+        `main_grad`, their local tensor, stays valid for the optimizer)."""
+        for param in self.module.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+                param.main_grad = param.grad.to_local()
+            param.main_grad.zero_()
+
+
+def _mesh(group) -> DeviceMesh:
+    """A 1-D mesh over `group`. Named after the group: meshes over the same ranks compare
+    equal, and DTensor's sharding caches would hand a later layout a mesh (and so a group)
+    of an earlier one, already destroyed."""
+    return DeviceMesh.from_group(group, device.device_type(),
+                                 mesh_dim_names=(f"group_{group.group_name}",))
+
+
+def _units(module: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """(submodule, over expert-DP) to shard as units before the root, inner ones first: MoE
+    local experts, transformer layers, and the first stage's embedding unless this chunk's
+    head reads it too. The output layer (read through `lm_logits`, not its forward) and a
+    tied copy stay in the root unit, gathered for the whole chunk."""
+    units = []
+    for sub in module.modules():
+        if isinstance(sub, ParallelTransformerLayer):
+            units += [(moe.local_experts, True) for moe in sub.modules()
+                      if isinstance(moe, MoELayer)]
+            units.append((sub, False))
+    tied_here = getattr(module, "share_embeddings_and_output_weights", False) and \
+        getattr(module, "post_process", False)
+    if getattr(module, "pre_process", False) and not tied_here:
+        units.append((module.embedding, False))
+    return units
+
+
+def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
+                cpu_offload: bool = False) -> FullyShardedChunk:
+    """Shard `chunk` (built in `param_dtype` on this rank's device, process grid initialised)
+    for `strategy` (optim_grads or optim_grads_params), with the host offload when
+    `cpu_offload`; see the module docstring. Parameters become fp32 DTensors sharded on dim 0
+    over DP x CP (experts: expert-DP); megalite's parameter attributes (TP split, tied copy,
+    expert) are kept on them."""
+    if strategy not in FULLY_SHARDED:
+        raise ValueError(f"shard_model: strategy {strategy!r} is not one of {FULLY_SHARDED}")
+    # the chunk's per-token loss is a transposed view; nothing changes it in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    zero3 = strategy == "optim_grads_params"
+    pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    attributes = {name: dict(p.__dict__) for name, p in chunk.named_parameters()}
+    for param in chunk.parameters():
+        param.data = param.data.float()  # the fp32 masters; gathered in param_dtype
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=device.device_type() == "cuda") \
+        if cpu_offload else OffloadPolicy()
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dp_size = comm.world_size(dp_group)
+    dense, experts = _mesh(dp_group), _mesh(parallel_state.get_expert_data_parallel_group())
+    reshard = zero3 and not pipelined
+    for unit, expert in _units(chunk):
+        fully_shard(unit, mesh=experts if expert else dense, reshard_after_forward=reshard,
+                    mp_policy=policy, offload_policy=offload)
+        if expert:  # each expert's grad sums its whole EP group's tokens: mean over all DP,
+            unit.set_gradient_divide_factor(float(dp_size))  # divided around a plain sum
+            unit.set_force_sum_reduction_for_comms(True)  # (gloo has no PREMUL_SUM)
+    fully_shard(chunk, mesh=dense, reshard_after_forward=reshard, mp_policy=policy,
+                offload_policy=offload)
+    for name, param in chunk.named_parameters():
+        param.__dict__.update(attributes[name])
+        _localise_padding_rows(param)
+    return FullyShardedChunk(chunk, strategy, pipelined, dp_group, param_dtype)
+
+
+def _localise_padding_rows(param: DTensor) -> None:
+    """`local_padding_rows` (vocabulary padding: the last rows of the TP-local tensor) of this
+    DP shard: rows [lo, lo + local) of n hold the last max(0, lo + local - (n - rows))."""
+    rows = getattr(param, "local_padding_rows", 0)
+    if rows:
+        n, local = param.shape[0], param.to_local().shape[0]
+        lo = fsdp_shard_start(param)
+        param.local_padding_rows = max(0, min(local, lo + local - (n - rows)))
+
+
+def fsdp_shard_start(param: DTensor, flat: bool = False) -> int:
+    """First dim-0 row of this rank's shard (FSDP splits like torch.chunk); `flat`: its first
+    element in the flattened (TP-local) parameter."""
+    rank = param.device_mesh.get_local_rank()
+    per = -(-param.shape[0] // param.device_mesh.size())
+    row = min(rank * per, param.shape[0])
+    return row * (math.prod(param.shape[1:]) if flat else 1)
+
