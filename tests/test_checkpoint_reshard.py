@@ -1,5 +1,6 @@
 """Distributed checkpoints reshard weights and optimizer state: a run stopped every two steps
-and resumed each time under another layout and data-parallel sharding continues the loss
+and resumed each time under another layout and data-parallel sharding (ZeRO-1, ZeRO-2, ZeRO-3,
+CPU offload, no_shard) continues the loss
 curve of the uninterrupted single-process run (fp32, dropout off; the layouts differ in
 summation order only, so 1e-5 relative). Adam's moments and step must come along: a resume
 that restarts them is off by 5e-4 at the step after the first one it takes (measured by
@@ -17,13 +18,17 @@ from tests.test_moe_training import MOE_FLAGS
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 CHAIN_FLAGS = [*NO_DROPOUT, "--micro-batch-size", "1"]  # global batch 8 splits over DP 8
 ZERO1 = "--use-distributed-optimizer"
-ITERS = 14  # the whole curve; every hop runs 2 steps (--exit-interval 2)
+ZERO2, ZERO3 = (["--data-parallel-sharding-strategy", s] for s in ("optim_grads",
+                                                                   "optim_grads_params"))
+ITERS = 16  # the whole curve; every hop runs 2 steps (--exit-interval 2)
 # (layout, extra flags) of each hop; the saves of some hops run in the background
 CHAIN_8 = [["--tp", "2", "--pp", "2", "--vpp", "2", "--dp", "2", ZERO1, "--async-save"],
            ["--pp", "4", "--dp", "2"],                       # 1F1B, no_shard
-           ["--dp", "8", ZERO1, "--async-save"],
-           ["--tp", "2", "--pp", "2", "--dp", "2"]]           # no_shard
-CHAIN_4 = [["--dp", "4", ZERO1], ["--cp", "2", "--dp", "2", ZERO1], ["--tp", "4"]]
+           ["--dp", "8", *ZERO3, "--async-save"],
+           ["--tp", "2", "--pp", "2", "--dp", "2"],          # no_shard
+           ["--tp", "2", "--pp", "2", "--dp", "2", ZERO1]]
+CHAIN_4 = [["--dp", "4", *ZERO3, "--optimizer-cpu-offload"], ["--cp", "2", "--dp", "2", *ZERO2],
+           ["--tp", "4"]]
 
 
 def _hops(prefix: str, root: str, chain: list[list[str]], first: int, flags: list[str],
@@ -57,7 +62,7 @@ def _bf16_pp2_dp2_to_dp4(prefix: str, root: str) -> dict[int, float]:
     losses = train(tiny_args(prefix, f"{root}/bf16a", 4, "--exit-interval", "2", "--pp", "2",
                              "--dp", "2", ZERO1, *flags))
     losses.update(train(tiny_args(prefix, f"{root}/bf16b", 4, "--load", f"{root}/bf16a",
-                                  "--dp", "4", *flags)))
+                                  "--dp", "4", *ZERO3, *flags)))  # fp32 masters as the params
     return losses
 
 
@@ -92,7 +97,7 @@ def test_resumes_into_other_layouts_and_shardings_continue_the_single_process_cu
     # summation order: the curves agree to about one bf16 ulp of the loss (2^-8)
     _assert_curve(bf16, single_bf16, 2 ** -8)
     index = json.load(open(os.path.join(root, "hop2", "iter_0000006", "index.json")))
-    # DP 8 ZeRO-1: the 8 ranks wrote disjoint parts of the weights and the Adam moments
+    # DP 8 ZeRO-3: the 8 ranks wrote disjoint parts of the weights and the Adam moments
     assert len({p[0] for e in index["optim.exp_avg"].values() for p in e["pieces"]}) == 8
     assert {s["step"] for s in index["scalars"].values()} == {6.0}
 
