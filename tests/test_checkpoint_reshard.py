@@ -1,8 +1,7 @@
 """Distributed checkpoints reshard weights and optimizer state: a run stopped every two steps
-and resumed each time under another layout and data-parallel sharding (ZeRO-1, ZeRO-2, ZeRO-3,
-CPU offload, no_shard) continues the loss
-curve of the uninterrupted single-process run (fp32, dropout off; the layouts differ in
-summation order only, so 1e-5 relative). Adam's moments and step must come along: a resume
+and resumed each time under another layout and data-parallel sharding (no_shard, ZeRO-1,
+ZeRO-2, ZeRO-3, CPU offload) continues the loss curve of the uninterrupted single-process
+run (fp32, dropout off; the layouts differ in summation order only, so 1e-5 relative). Adam's moments and step must come along: a resume
 that restarts them is off by 5e-4 at the step after the first one it takes (measured by
 disabling their load)."""
 import json
