@@ -1,7 +1,8 @@
 """Closed-form plan of a GPT training layout: memory per rank, FLOPs, bubble, communication.
 
 The formulas are Megatron-LM's (REFERENCES.md): bytes per parameter of the model state
-(plain vs distributed optimizer), activations per layer after Korthikanti et al. 2022
+under the run's sharding strategy and offload (`megalite.model_state`, the ZeRO rule) plus
+FSDP's gathered parameters of the largest unit (`largest_unit`), activations per layer after Korthikanti et al. 2022
 (generalised to e-byte activations: masks stay 1 byte, so 2-byte sbh(34 + 5as/h) becomes
 sbh(16e + 2 + (2e + 1)as/h)), the in-flight microbatches of the pipeline schedule,
 Narayanan et al. 2021's FLOPs, the schedule's bubble (`accounting.schedule_bubble`), and
@@ -21,15 +22,14 @@ from fractions import Fraction
 from megalite.config import Configs, ModelConfig
 from megalite.layout import RunLayout
 from megalite.metrics import flops_per_iteration
+from megalite.model_state import (FSDP_STRATEGIES, STATE_BYTES, StateBytes, gather_bytes,
+                                  state_bytes_per_param)
 from megalite.models.spec import TransformerSpec
 from megalite.models.stage import pipeline_layer_range
 from megalite.mpu.layers import pad_vocab_size
 from megalite.placement import GPIPE, INTERLEAVED, ZBV
 from megalite.schedules.accounting import schedule_bubble
 
-# Megatron's bytes per parameter: (parameters, gradients, optimizer states); the distributed
-# optimizer shards the optimizer states (fp32 main params, fp16's fp32 main grads, Adam m, v).
-STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 2, 16)}
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # bytes per parameter in a checkpoint: weights, fp32 masters (bf16/fp16) and Adam's 2 moments
 CHECKPOINT_BYTES = {"fp32": 4 + 8, "bf16": 2 + 4 + 8, "fp16": 2 + 4 + 8}
@@ -38,25 +38,6 @@ LOSS_BYTES = 4  # logits, softmax and cross-entropy all-reduces are fp32 whateve
 
 def precision_name(configs: Configs) -> str:
     return "bf16" if configs.precision.bf16 else "fp16" if configs.precision.fp16 else "fp32"
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes per parameter of the model state on one rank."""
-
-    params: float
-    grads: float
-    optimizer: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-
-def state_bytes_per_param(precision: str, distributed_optimizer: bool, dp: int) -> StateBytes:
-    """fp16 20 vs 4 + 16/d, bf16 18 vs 6 + 12/d, fp32 16 vs 8 + 8/d (Megatron's table)."""
-    params, grads, optimizer = STATE_BYTES[precision]
-    return StateBytes(params, grads, optimizer / dp if distributed_optimizer else optimizer)
 
 
 def layer_params(model: ModelConfig, tp: int) -> int:
@@ -77,21 +58,42 @@ def stage_expert_params(model: ModelConfig, tp: int, pp: int, rank: int, vpp: in
     return sum(spec.expert_params(tp, layer, ep) for layer in _stage_layers(model, pp, rank, vpp))
 
 
+def _end_units(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int) -> list[int]:
+    """Parameters outside the layers on pipeline rank `rank`: the word (and learned position)
+    embeddings on the first rank, the final norm and the output layer on the last (the tied
+    word-embedding copy only when p > 1)."""
+    spec, h = TransformerSpec.from_config(model), model.hidden_size
+    word, units = padded_vocab * h // tp, []
+    if rank == 0:
+        units.append(word + (model.max_position_embeddings * h
+                             if spec.position_embedding == "learned_absolute" else 0))
+    if rank == pp - 1:
+        units.append(spec.norm_params(h) + (word if pp > 1 or not spec.tie_output else 0))
+    return units
+
+
+def _layer_units(model: ModelConfig, tp: int, pp: int, rank: int, vpp: int, ep: int
+                 ) -> list[int]:
+    """Parameters of each layer on pipeline rank `rank` (an MoE layer's E / ep experts)."""
+    spec = TransformerSpec.from_config(model)
+    return [spec.layer_params(tp, layer, ep) for layer in _stage_layers(model, pp, rank, vpp)]
+
+
 def stage_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int,
                  vpp: int = 1, ep: int = 1) -> int:
-    """Parameters on pipeline rank `rank` (all its chunks): its L/p layers (an MoE layer's
-    E / ep experts), the word (and learned position) embeddings on the first rank, the final
-    norm and the output layer on the last (the tied word-embedding copy only when p > 1)."""
-    spec = TransformerSpec.from_config(model)
-    count = sum(spec.layer_params(tp, layer, ep) for layer in _stage_layers(model, pp, rank, vpp))
-    h = model.hidden_size
-    word = padded_vocab * h // tp
-    if rank == 0:
-        count += word + (model.max_position_embeddings * h
-                         if spec.position_embedding == "learned_absolute" else 0)
-    if rank == pp - 1:
-        count += spec.norm_params(h) + (word if pp > 1 or not spec.tie_output else 0)
-    return count
+    """Parameters on pipeline rank `rank` (all its chunks): its L/p layers and the
+    embedding / output pieces of `_end_units`."""
+    return sum(_layer_units(model, tp, pp, rank, vpp, ep)
+               + _end_units(model, padded_vocab, tp, pp, rank))
+
+
+def largest_unit(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int,
+                 vpp: int = 1, ep: int = 1) -> int:
+    """Parameters of the largest FSDP unit on pipeline rank `rank`: one layer, the embedding
+    or the output layer with the final norm (one unit each, as Megatron-core and torchtitan
+    wrap)."""
+    return max(_layer_units(model, tp, pp, rank, vpp, ep)
+               + _end_units(model, padded_vocab, tp, pp, rank))
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int, act_bytes: int,
@@ -168,7 +170,8 @@ class StageMemory:
     extra_activations: float    # embedding dropout mask / final LayerNorm, LM head and logits
     recompute_working: float    # what the backward of one recomputed group adds transiently
     expert_params: int = 0      # MoE experts among `params`
-    expert_state: StateBytes | None = None  # their bytes per parameter (optimizer over DP / EP)
+    expert_state: StateBytes | None = None  # their bytes per parameter (sharded over expert-DP)
+    gather: int = 0             # FSDP's gathered params (and unsharded grads) at the peak
 
     @property
     def activations(self) -> float:
@@ -176,15 +179,14 @@ class StageMemory:
 
     @property
     def state_bytes(self) -> StateBytes:
-        """Bytes of parameters, gradients and optimizer states on this rank."""
-        dense, expert = self.state, self.expert_state or self.state
-        n, ne = self.params - self.expert_params, self.expert_params
-        return StateBytes(n * dense.params + ne * expert.params, n * dense.grads + ne * expert.grads,
-                          n * dense.optimizer + ne * expert.optimizer)
+        """Bytes of parameters, gradients and optimizer states on this rank (device + host)."""
+        expert = self.expert_state or self.state
+        return self.state * (self.params - self.expert_params) + expert * self.expert_params
 
     @property
     def total(self) -> float:
-        return self.state_bytes.total + self.activations
+        """Peak device bytes: the model state not offloaded, gather buffers, activations."""
+        return self.state_bytes.device + self.gather + self.activations
 
 
 @dataclass(frozen=True)
@@ -278,8 +280,12 @@ class Plan:
         if pp > 1:  # forwards to the next stage and grads to the previous, per chunk
             message = sbh * e / (tp if self.sequence_parallel else 1)
             out["PP send"] = ("send", m * (2 * v - (first or last)) * message, 2)
-        dp = self.layout.data_parallel_size * cp
-        if dp > 1 and self.configs.optimizer.use_distributed_optimizer:
+        dp, sharding = self.layout.data_parallel_size * cp, self.layout.sharding
+        if dp > 1 and sharding in FSDP_STRATEGIES:  # FSDP2: fp32 reduction, gathers in e bytes
+            out["DP grad reduce-scatter"] = ("reduce_scatter", params * LOSS_BYTES, dp)
+            gathers = 2 if sharding == "optim_grads_params" and pp == 1 else 1
+            out["DP param all-gather"] = ("all_gather", gathers * params * e / dp, dp)
+        elif dp > 1 and sharding == "optim":
             out["DP grad reduce-scatter"] = ("reduce_scatter", params * grad_bytes, dp)
             out["DP param all-gather"] = ("all_gather", params * e / dp, dp)
         elif dp > 1:
@@ -356,10 +362,10 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
     e = ACTIVATION_BYTES[precision]
     padded_vocab = pad_vocab_size(configs.model.vocab_size,
                                   configs.model.make_vocab_size_divisible_by, tp)
-    ep = par.expert_model_parallel_size
-    state = state_bytes_per_param(precision, configs.optimizer.use_distributed_optimizer, dp * cp)
-    expert_state = state_bytes_per_param(precision, configs.optimizer.use_distributed_optimizer,
-                                         dp * cp // ep)  # experts: sharded over expert-DP ranks
+    ep, sharding = par.expert_model_parallel_size, layout.sharding
+    offload = configs.optimizer.optimizer_cpu_offload
+    state = state_bytes_per_param(precision, sharding, dp * cp, offload)
+    expert_state = state_bytes_per_param(precision, sharding, dp * cp // ep, offload)
     stored, working = _layer_stack(configs, configs.model.num_layers // (pp * v), e, tp,
                                    sequence_parallel)
     gpipe = schedule.name == GPIPE
@@ -368,9 +374,12 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
         inflight = inflight_microbatches(schedule.name, pp, m, v, rank)
         extras = _extras(configs, e, tp, sequence_parallel, padded_vocab, rank == 0,
                          rank == pp - 1, m if gpipe else min(pp, m), m if gpipe else 1)
-        stages[name] = StageMemory(stage_params(configs.model, padded_vocab, tp, pp, rank, v, ep),
-                                   state, inflight, float(inflight * v * stored) / cp,
+        params = stage_params(configs.model, padded_vocab, tp, pp, rank, v, ep)
+        gather = gather_bytes(precision, sharding, params,
+                              largest_unit(configs.model, padded_vocab, tp, pp, rank, v, ep),
+                              pp > 1)
+        stages[name] = StageMemory(params, state, inflight, float(inflight * v * stored) / cp,
                                    extras / cp, working / cp,
                                    stage_expert_params(configs.model, tp, pp, rank, v, ep),
-                                   expert_state)
+                                   expert_state, gather)
     return Plan(configs, layout, precision, sequence_parallel, padded_vocab, stages)

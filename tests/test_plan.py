@@ -39,14 +39,6 @@ def configs(layers=4, hidden=64, heads=4, vocab=1000, seq=32, tp=1, pp=1, vpp=No
         DataConfig(), CheckpointConfig())
 
 
-@pytest.mark.parametrize("d", [1, 2, 8, 64])
-def test_bytes_per_parameter_follow_megatrons_table(d):
-    table = {"fp16": (20, 4 + 16 / d), "bf16": (18, 6 + 12 / d), "fp32": (16, 8 + 8 / d)}
-    for precision, (plain, sharded) in table.items():
-        assert planner.state_bytes_per_param(precision, False, d).total == plain
-        assert planner.state_bytes_per_param(precision, True, d).total == pytest.approx(sharded)
-
-
 def test_activations_per_layer_follow_korthikanti():
     s, b, h, a, t = 64, 2, 128, 8, 4
     sbh = s * b * h

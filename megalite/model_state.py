@@ -1,0 +1,101 @@
+"""Bytes of the model state per parameter per rank under each data-parallel sharding strategy.
+
+The ZeRO rule (Rajbhandari et al. 2020): a strategy divides the components it shards -
+`optim` the optimizer state, `optim_grads` also the gradients, `optim_grads_params` also the
+parameters - by N, the ranks they are sharded over (DP x CP; experts over expert-DP). With
+the paper's components (2-byte params and grads, 12 bytes of fp32 master + Adam m, v) that
+is 2 + 2 + 12, 4 + 12/N, 2 + 14/N, 16/N; with fp32 (4 + 4 + 8) 16, 8 + 8/N, 4 + 12/N, 16/N.
+
+What megalite holds: `no_shard` and `optim` run on megalite's gradient buffer, which
+accumulates fp32 grads (Megatron's table: bf16 2 + 4 + 12). `optim_grads` and
+`optim_grads_params` run on torch FSDP2: the sharded parameter is the fp32 master itself and
+grads reduce (and stay) in fp32, so every precision keeps 4 + 4 + 8 sharded, 16/N, and
+gathers compute-dtype copies of the parameters (`gather_bytes`). `--optimizer-cpu-offload`
+moves the optimizer state to host memory, and under FSDP2 (CPUOffloadPolicy) the sharded
+parameters and grads too: `StateBytes.host` of the total is then in host memory.
+"""
+from dataclasses import dataclass
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SHARDED = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("grads", "optimizer"),
+           "optim_grads_params": ("params", "grads", "optimizer")}
+FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")  # run on torch FSDP2
+
+# Megatron's bytes per parameter on megalite's gradient buffer: (parameters, gradients,
+# optimizer states: fp32 main params, fp16's fp32 main grads, Adam m, v).
+STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 2, 16)}
+FSDP_STATE_BYTES = (4, 4, 8)  # fp32 sharded master params, fp32 grads, Adam m, v
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of parameters, gradients and optimizer states (per parameter, or of a rank);
+    `host` of their total lives in host memory (offload), the rest on the device."""
+
+    params: float
+    grads: float
+    optimizer: float
+    host: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def device(self) -> float:
+        return self.total - self.host
+
+    def __mul__(self, count: float) -> "StateBytes":
+        return StateBytes(self.params * count, self.grads * count, self.optimizer * count,
+                          self.host * count)
+
+    def __add__(self, other: "StateBytes") -> "StateBytes":
+        return StateBytes(self.params + other.params, self.grads + other.grads,
+                          self.optimizer + other.optimizer, self.host + other.host)
+
+
+def check_strategy(strategy: str) -> None:
+    if strategy not in SHARDED:
+        raise ValueError(f"--data-parallel-sharding-strategy must be one of "
+                         f"{', '.join(STRATEGIES)} (got {strategy!r})")
+
+
+def zero_bytes(components: tuple[float, float, float], strategy: str, n: int,
+               offloaded: tuple[str, ...] = ()) -> StateBytes:
+    """The ZeRO rule: (params, grads, optimizer) bytes per parameter, the components
+    `strategy` shards divided by `n`; `offloaded` components count as host bytes."""
+    check_strategy(strategy)
+    parts = {name: size / n if name in SHARDED[strategy] else size
+             for name, size in zip(("params", "grads", "optimizer"), components)}
+    return StateBytes(**parts, host=sum(parts[name] for name in offloaded))
+
+
+def state_bytes_per_param(precision: str, strategy: str = "no_shard", n: int = 1,
+                          offload: bool = False) -> StateBytes:
+    """Model-state bytes per parameter on one rank, between steps, as megalite holds them:
+    fp32 16 / 8 + 8/N, bf16 18 / 6 + 12/N on the gradient buffer (no_shard / optim), 16/N
+    under FSDP2 (optim_grads, optim_grads_params) whatever the precision."""
+    check_strategy(strategy)
+    if strategy in FSDP_STRATEGIES:
+        return zero_bytes(FSDP_STATE_BYTES, "optim_grads_params", n,
+                          ("params", "grads", "optimizer") if offload else ())
+    return zero_bytes(STATE_BYTES[precision], strategy, n, ("optimizer",) if offload else ())
+
+
+def gather_bytes(precision: str, strategy: str, stage_params: int, largest_unit: int,
+                 pipeline: bool) -> int:
+    """Device bytes of gathered (unsharded) parameters and FSDP's unsharded grads at the
+    step's peak on one rank, in the compute dtype: ZeRO-3 the largest FSDP unit (a layer,
+    the embedding or the output layer) twice - the one computing and the one prefetched, in
+    forward and again in backward; ZeRO-2 (and ZeRO-3 under PP, where parameters stay
+    gathered across the microbatches of a step) the whole stage from forward to backward,
+    and under PP the fp32 unsharded grads accumulated until the step's one reduce-scatter.
+    Nothing for no_shard and optim (ZeRO-1 gathers into the parameters themselves)."""
+    check_strategy(strategy)
+    e = COMPUTE_BYTES[precision]
+    if strategy not in FSDP_STRATEGIES:
+        return 0
+    if strategy == "optim_grads_params" and not pipeline:
+        return 2 * largest_unit * e
+    return stage_params * (e + (4 if pipeline else 0))
