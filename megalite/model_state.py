@@ -99,3 +99,22 @@ def gather_bytes(precision: str, strategy: str, stage_params: int, largest_unit:
     if strategy == "optim_grads_params" and not pipeline:
         return 2 * largest_unit * e
     return stage_params * (e + (4 if pipeline else 0))
+
+
+def describe(precision: str, strategy: str, n: int, ep: int, offload: bool, dense: int,
+             expert: int, gather: int) -> str:
+    """The start-up line: model-state bytes of `dense` params sharded over n ranks and
+    `expert` params over n / ep, e.g. 'model state per rank: 110.0 MiB (12 B/param, sharding
+    optim over 2 ranks); 20.0 MiB of it in host memory; + 10.0 MiB of gathered parameters
+    at the peak'."""
+    state = state_bytes_per_param(precision, strategy, n, offload) * dense \
+        + state_bytes_per_param(precision, strategy, n // ep, offload) * expert
+    mib = 2 ** 20
+    per_param = state.total / (dense + expert)
+    line = (f"model state per rank: {state.total / mib:,.1f} MiB ({per_param:.4g} B/param, "
+            f"sharding {strategy} over {n} rank{'s' if n > 1 else ''})")
+    if state.host:
+        line += f"; {state.host / mib:,.1f} MiB of it in host memory"
+    if gather:
+        line += f"; + {gather / mib:,.1f} MiB of gathered parameters at the peak"
+    return line

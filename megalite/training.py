@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite import checkpointing, device, preflight
+from megalite import checkpointing, device, model_state, planner, preflight
 from megalite.config import Configs
 from megalite.data.gpt_dataset import check_data
 from megalite.data.loader import TimedIterator
@@ -30,7 +30,8 @@ from megalite.models.stage import (build_model_chunks, finalize_model_grads,
                                    sync_shared_embedding)
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
-from megalite.optimizer import get_optimizer
+from megalite.mpu.layers import pad_vocab_size
+from megalite.optimizer import get_optimizer, optimizer_settings
 from megalite.resilience import ExitSignalHandler, SkipGuard, inject_faults, parse_faults
 from megalite.schedules.executor import forward_backward
 from megalite.schedules.accounting import pipeline_summary
@@ -58,6 +59,23 @@ def log_pipeline(configs: Configs, layout: RunLayout) -> None:
         log(f"WARNING: {m} microbatch(es) per step through {pp} pipeline stages: ranks idle "
             f"most of the step; raise --global-batch-size to at least {need} (micro batch x DP "
             f"x PP), better 4x that")
+
+
+def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Module]) -> None:
+    """Log rank 0's model-state bytes from the planner's formula (megalite.model_state) for its
+    parameters (dense ones sharded over DP x CP, experts over expert-DP)."""
+    params = [p for chunk in model for p in chunk.parameters()]
+    expert = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
+    g, precision = layout.grid, planner.precision_name(configs)
+    padded = pad_vocab_size(configs.model.vocab_size, configs.model.make_vocab_size_divisible_by,
+                            g.tp)
+    stage = sum(p.numel() for p in params)
+    largest = planner.largest_unit(configs.model, padded, g.tp, g.pp, 0, layout.chunks_per_rank,
+                                   g.ep)
+    log(model_state.describe(precision, layout.sharding, g.dp * g.cp, g.ep,
+                             configs.optimizer.optimizer_cpu_offload, stage - expert, expert,
+                             model_state.gather_bytes(precision, layout.sharding, stage, largest,
+                                                      g.pp > 1)))
 
 
 def setup_parallel(configs: Configs, layout: RunLayout) -> None:
@@ -307,6 +325,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
         f"{n_params:,} parameters on rank 0 | {layout.describe()} | global batch "
         f"{layout.global_batch_size} = {layout.num_microbatches} microbatches x "
         f"{layout.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
+    log_model_state(configs, layout, model)
     log_pipeline(configs, layout)
     logger = TrainingLogger(configs, layout, model, task.loss_key, task.flops(configs, layout))
     run = Run(configs, layout, task, model, optimizer, scheduler, logger, valid_batches,

@@ -87,3 +87,19 @@ def test_largest_unit_and_gather_buffers_equal_a_real_model(llama):
     assert gather_bytes("bf16", "optim_grads", stage, largest, False) == 2 * sum(units)
     assert gather_bytes("bf16", "optim_grads_params", stage, largest, True) == 6 * sum(units)
     assert gather_bytes("bf16", "optim", stage, largest, False) == 0
+
+
+def test_start_up_line_counts_dense_over_dp_and_experts_over_expert_dp():
+    """bf16 optim over 4 ranks, EP 2: 1M dense params x (2 + 4 + 12/4) + 0.5M expert params x
+    (2 + 4 + 12/2) = 15 MB, 10 B/param; offloaded, the 12-byte optimizer part is host memory."""
+    from megalite.model_state import describe
+    mib = 2 ** 20
+    assert describe("bf16", "optim", 4, 2, False, 1_000_000, 500_000, 0) == (
+        f"model state per rank: {15e6 / mib:,.1f} MiB (10 B/param, sharding optim over 4 ranks)")
+    host = 1e6 * 3 + 5e5 * 6
+    assert describe("bf16", "optim_grads_params", 4, 2, True, 1_000_000, 500_000, 2 * mib) == (
+        f"model state per rank: {(1e6 * 4 + 5e5 * 8) / mib:,.1f} MiB (5.333 B/param, sharding "
+        f"optim_grads_params over 4 ranks); {(1e6 * 4 + 5e5 * 8) / mib:,.1f} MiB of it in host "
+        f"memory; + 2.0 MiB of gathered parameters at the peak")
+    assert describe("bf16", "optim", 4, 2, True, 1_000_000, 500_000, 0).endswith(
+        f"; {host / mib:,.1f} MiB of it in host memory")

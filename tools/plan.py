@@ -89,15 +89,21 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
         f"DP {p.layout.data_parallel_size} = {p.layout.world_size} GPUs; micro "
         f"batch {t.micro_batch_size}, global batch {p.layout.global_batch_size} = {p.layout.num_microbatches} "
         f"microbatches per DP rank; {p.layout.schedule.name}; {p.precision}, recompute "
-        f"{m.recompute_granularity or 'none'}, "
-        f"{'distributed' if c.optimizer.use_distributed_optimizer else 'plain'} optimizer"
+        f"{m.recompute_granularity or 'none'}, sharding {p.layout.sharding}"
+        f"{' with optimizer CPU offload' if c.optimizer.optimizer_cpu_offload else ''}"
         f"{', sequence parallel' if p.sequence_parallel else ''}",
         "", f"Memory per GPU (GiB)                  {'first stage':>12} {'last stage':>12}"]
     first, last = p.stages["first"], p.stages["last"]
-    rows = [(f"parameters ({first.state.params:g} B/param)", lambda s: s.state_bytes.params),
-            (f"gradients ({first.state.grads:g} B/param)", lambda s: s.state_bytes.grads),
-            (f"optimizer states ({first.state.optimizer:g} B/param)",
+    state = first.state
+    lines.insert(2, f"Model state per rank: {state.total:.4g} B/param ({state.params:.4g} params + "
+                    f"{state.grads:.4g} grads + {state.optimizer:.4g} optimizer; "
+                    f"{state.device:.4g} on the GPU, {state.host:.4g} in host memory)")
+    rows = [(f"parameters ({state.params:.4g} B/param)", lambda s: s.state_bytes.params),
+            (f"gradients ({state.grads:.4g} B/param)", lambda s: s.state_bytes.grads),
+            (f"optimizer states ({state.optimizer:.4g} B/param)",
              lambda s: s.state_bytes.optimizer),
+            ("  of which in host memory (offload)", lambda s: -s.state_bytes.host),
+            ("gathered params (FSDP, largest unit)", lambda s: s.gather),
             ("activations of the layers", lambda s: s.layer_activations),
             ("embedding / LM head + logits", lambda s: s.extra_activations),
             ("recompute working set", lambda s: s.recompute_working),
