@@ -25,6 +25,7 @@ FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")  # run on torch FSDP2
 # optimizer states: fp32 main params, fp16's fp32 main grads, Adam m, v).
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 2, 16)}
 FSDP_STATE_BYTES = (4, 4, 8)  # fp32 sharded master params, fp32 grads, Adam m, v
+OFFLOADED_OPTIMIZER_BYTES = 12  # fp32 master params + Adam m, v in host memory
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -75,30 +76,37 @@ def state_bytes_per_param(precision: str, strategy: str = "no_shard", n: int = 1
                           offload: bool = False) -> StateBytes:
     """Model-state bytes per parameter on one rank, between steps, as megalite holds them:
     fp32 16 / 8 + 8/N, bf16 18 / 6 + 12/N on the gradient buffer (no_shard / optim), 16/N
-    under FSDP2 (optim_grads, optim_grads_params) whatever the precision."""
+    under FSDP2 (optim_grads, optim_grads_params) whatever the precision. Offloaded, the
+    gradient buffer's optimizer keeps an fp32 master and Adam m, v on the host (12 or 12/N
+    bytes, also for fp32 params); FSDP2 keeps all its 16/N there."""
     check_strategy(strategy)
     if strategy in FSDP_STRATEGIES:
         return zero_bytes(FSDP_STATE_BYTES, "optim_grads_params", n,
                           ("params", "grads", "optimizer") if offload else ())
-    return zero_bytes(STATE_BYTES[precision], strategy, n, ("optimizer",) if offload else ())
+    params, grads, optimizer = STATE_BYTES[precision]
+    if offload:  # a host fp32 master copy even of fp32 params, beside Adam m, v
+        return zero_bytes((params, grads, OFFLOADED_OPTIMIZER_BYTES), strategy, n,
+                          ("optimizer",))
+    return zero_bytes((params, grads, optimizer), strategy, n)
 
 
 def gather_bytes(precision: str, strategy: str, stage_params: int, largest_unit: int,
-                 pipeline: bool) -> int:
-    """Device bytes of gathered (unsharded) parameters and FSDP's unsharded grads at the
-    step's peak on one rank, in the compute dtype: ZeRO-3 the largest FSDP unit (a layer,
-    the embedding or the output layer) twice - the one computing and the one prefetched, in
-    forward and again in backward; ZeRO-2 (and ZeRO-3 under PP, where parameters stay
-    gathered across the microbatches of a step) the whole stage from forward to backward,
-    and under PP the fp32 unsharded grads accumulated until the step's one reduce-scatter.
-    Nothing for no_shard and optim (ZeRO-1 gathers into the parameters themselves)."""
+                 pipeline: bool, microbatches: int = 1) -> int:
+    """Device bytes of FSDP's gathered (unsharded) parameters, in the compute dtype, and
+    unsharded grads at the step's peak on one rank. ZeRO-3: the largest unit (a layer, the
+    embedding or the output layer) twice - the one computing and the one prefetched, in
+    forward and again in backward; ZeRO-2, and ZeRO-3 under PP (parameters stay gathered
+    across the microbatches of a step): the whole stage from forward to backward. With
+    several microbatches grads are reduced once per step, so the stage's unsharded grads
+    accumulate in fp32 until then. Nothing for no_shard and optim (ZeRO-1 gathers into the
+    parameters themselves)."""
     check_strategy(strategy)
-    e = COMPUTE_BYTES[precision]
     if strategy not in FSDP_STRATEGIES:
         return 0
-    if strategy == "optim_grads_params" and not pipeline:
-        return 2 * largest_unit * e
-    return stage_params * (e + (4 if pipeline else 0))
+    e = COMPUTE_BYTES[precision]
+    params = 2 * largest_unit * e if strategy == "optim_grads_params" and not pipeline \
+        else stage_params * e
+    return params + (4 * stage_params if microbatches > 1 else 0)
 
 
 def describe(precision: str, strategy: str, n: int, ep: int, offload: bool, dense: int,

@@ -377,7 +377,7 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
         params = stage_params(configs.model, padded_vocab, tp, pp, rank, v, ep)
         gather = gather_bytes(precision, sharding, params,
                               largest_unit(configs.model, padded_vocab, tp, pp, rank, v, ep),
-                              pp > 1)
+                              pp > 1, m)
         stages[name] = StageMemory(params, state, inflight, float(inflight * v * stored) / cp,
                                    extras / cp, working / cp,
                                    stage_expert_params(configs.model, tp, pp, rank, v, ep),

@@ -75,7 +75,7 @@ def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Mo
     log(model_state.describe(precision, layout.sharding, g.dp * g.cp, g.ep,
                              configs.optimizer.optimizer_cpu_offload, stage - expert, expert,
                              model_state.gather_bytes(precision, layout.sharding, stage, largest,
-                                                      g.pp > 1)))
+                                                      g.pp > 1, layout.num_microbatches)))
 
 
 def setup_parallel(configs: Configs, layout: RunLayout) -> None:

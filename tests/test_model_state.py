@@ -29,18 +29,16 @@ def test_megalite_bytes_per_parameter_per_strategy_and_offload(n):
     """What megalite holds between steps: the gradient buffer (no_shard, optim) keeps fp32
     grads - Megatron's fp32 16 / 8 + 8/N, bf16 18 / 6 + 12/N, fp16 20 / 4 + 16/N; FSDP2
     (optim_grads, optim_grads_params) keeps an fp32 master shard, fp32 grad shard and Adam
-    m, v: 16/N in every precision. Offload puts the optimizer state (12 B bf16: master +
-    m, v) on the host, and under FSDP2 everything sharded."""
-    buffer = {"fp32": (16, 8 + 8 / n, 8, 8 / n), "bf16": (18, 6 + 12 / n, 12, 12 / n),
-              "fp16": (20, 4 + 16 / n, 16, 16 / n)}  # (no_shard, optim, their optimizer bytes)
-    for precision, (plain, sharded, plain_opt, sharded_opt) in buffer.items():
-        for strategy, total, host in (("no_shard", plain, plain_opt),
-                                      ("optim", sharded, sharded_opt)):
+    m, v: 16/N in every precision. Offload puts an fp32 master and m, v (12 B, a copy of
+    its own even for fp32 params) on the host, and under FSDP2 everything sharded."""
+    buffer = {"fp32": (4 + 4, 8), "bf16": (2 + 4, 12), "fp16": (2 + 2, 16)}  # (p + g, optim)
+    for precision, (kept, optim) in buffer.items():
+        for strategy, shards in (("no_shard", 1), ("optim", n)):
+            total = kept + optim / shards  # 16 / 8 + 8/N, 18 / 6 + 12/N, 20 / 4 + 16/N
             assert state_bytes_per_param(precision, strategy, n).total == pytest.approx(total)
             offloaded = state_bytes_per_param(precision, strategy, n, offload=True)
-            assert offloaded.total == pytest.approx(total)
-            assert offloaded.host == pytest.approx(host)
-            assert offloaded.device == pytest.approx(total - host)
+            assert offloaded.host == pytest.approx(12 / shards)
+            assert offloaded.device == pytest.approx(kept)
         for strategy in ("optim_grads", "optim_grads_params"):
             state = state_bytes_per_param(precision, strategy, n)
             assert (state.params, state.grads, state.optimizer) == (4 / n, 4 / n, 8 / n)
@@ -68,7 +66,8 @@ def _units(model: GPTModel) -> list[int]:
 def test_largest_unit_and_gather_buffers_equal_a_real_model(llama):
     """The largest FSDP unit of a GPT (the embedding: V h + s h > 12 h^2 + 13 h) and a Llama
     (untied output layer); ZeRO-3 gathers it twice (compute + prefetch) in bf16, ZeRO-2 and
-    ZeRO-3 under PP hold the whole stage (plus fp32 unsharded grads under PP)."""
+    ZeRO-3 under PP hold the whole stage; several microbatches add the stage's fp32
+    unsharded grads, accumulated until the step's one reduce-scatter."""
     config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000,
                          max_position_embeddings=32)
     if llama:
@@ -85,7 +84,11 @@ def test_largest_unit_and_gather_buffers_equal_a_real_model(llama):
     assert gather_bytes("bf16", "optim_grads_params", stage, largest, False) == 2 * 2 * max(units)
     assert gather_bytes("fp32", "optim_grads_params", stage, largest, False) == 2 * 4 * max(units)
     assert gather_bytes("bf16", "optim_grads", stage, largest, False) == 2 * sum(units)
-    assert gather_bytes("bf16", "optim_grads_params", stage, largest, True) == 6 * sum(units)
+    assert gather_bytes("bf16", "optim_grads_params", stage, largest, True) == 2 * sum(units)
+    assert gather_bytes("bf16", "optim_grads_params", stage, largest, True, 4) == \
+        (2 + 4) * sum(units)
+    assert gather_bytes("fp32", "optim_grads_params", stage, largest, False, 2) == \
+        2 * 4 * max(units) + 4 * sum(units)
     assert gather_bytes("bf16", "optim", stage, largest, False) == 0
 
 
