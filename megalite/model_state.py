@@ -90,22 +90,25 @@ def state_bytes_per_param(precision: str, strategy: str = "no_shard", n: int = 1
     return zero_bytes((params, grads, optimizer), strategy, n)
 
 
-def gather_bytes(precision: str, strategy: str, stage_params: int, largest_unit: int,
+def gather_bytes(precision: str, strategy: str, stage_params: int, root: int, largest: int,
                  pipeline: bool, microbatches: int = 1) -> int:
-    """Device bytes of FSDP's gathered (unsharded) parameters, in the compute dtype, and
-    unsharded grads at the step's peak on one rank. ZeRO-3: the largest unit (a layer, the
-    embedding or the output layer) twice - the one computing and the one prefetched, in
-    forward and again in backward; ZeRO-2, and ZeRO-3 under PP (parameters stay gathered
-    across the microbatches of a step): the whole stage from forward to backward. With
-    several microbatches grads are reduced once per step, so the stage's unsharded grads
-    accumulate in fp32 until then. Nothing for no_shard and optim (ZeRO-1 gathers into the
-    parameters themselves)."""
+    """Device bytes of FSDP's gathered (unsharded) parameters and unsharded grads at the
+    step's peak on one rank, in the compute dtype. ZeRO-3: the root unit (`root` params,
+    gathered from its forward to its backward, which span all the others) and the `largest`
+    other unit twice - the one computing and the next one prefetched, or in backward its
+    own unsharded grads. ZeRO-2, and ZeRO-3 under PP (parameters stay gathered across the
+    microbatches of a step): the whole stage from forward to backward, and the largest
+    unit's unsharded grads before their reduce-scatter. With several microbatches grads are
+    reduced once per step, so the stage's unsharded grads accumulate in fp32 until then.
+    Nothing for no_shard and optim (ZeRO-1 gathers into the parameters themselves)."""
     check_strategy(strategy)
     if strategy not in FSDP_STRATEGIES:
         return 0
     e = COMPUTE_BYTES[precision]
-    params = 2 * largest_unit * e if strategy == "optim_grads_params" and not pipeline \
-        else stage_params * e
+    if strategy == "optim_grads_params" and not pipeline:
+        params = (root + 2 * largest) * e
+    else:
+        params = (stage_params + largest) * e
     return params + (4 * stage_params if microbatches > 1 else 0)
 
 

@@ -2,7 +2,7 @@
 
 The formulas are Megatron-LM's (REFERENCES.md): bytes per parameter of the model state
 under the run's sharding strategy and offload (`megalite.model_state`, the ZeRO rule) plus
-FSDP's gathered parameters of the largest unit (`largest_unit`), activations per layer after Korthikanti et al. 2022
+FSDP's gathered parameters (`fsdp_units`), activations per layer after Korthikanti et al. 2022
 (generalised to e-byte activations: masks stay 1 byte, so 2-byte sbh(34 + 5as/h) becomes
 sbh(16e + 2 + (2e + 1)as/h)), the in-flight microbatches of the pipeline schedule,
 Narayanan et al. 2021's FLOPs, the schedule's bubble (`accounting.schedule_bubble`), and
@@ -58,22 +58,25 @@ def stage_expert_params(model: ModelConfig, tp: int, pp: int, rank: int, vpp: in
     return sum(spec.expert_params(tp, layer, ep) for layer in _stage_layers(model, pp, rank, vpp))
 
 
-def _end_units(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int) -> list[int]:
+def _end_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int
+                ) -> dict[str, int]:
     """Parameters outside the layers on pipeline rank `rank`: the word (and learned position)
     embeddings on the first rank, the final norm and the output layer on the last (the tied
     word-embedding copy only when p > 1)."""
     spec, h = TransformerSpec.from_config(model), model.hidden_size
-    word, units = padded_vocab * h // tp, []
+    word, out = padded_vocab * h // tp, {}
     if rank == 0:
-        units.append(word + (model.max_position_embeddings * h
-                             if spec.position_embedding == "learned_absolute" else 0))
+        out["embedding"] = word + (model.max_position_embeddings * h
+                                   if spec.position_embedding == "learned_absolute" else 0)
     if rank == pp - 1:
-        units.append(spec.norm_params(h) + (word if pp > 1 or not spec.tie_output else 0))
-    return units
+        out["norm"] = spec.norm_params(h)
+        if pp > 1 or not spec.tie_output:
+            out["output"] = word
+    return out
 
 
-def _layer_units(model: ModelConfig, tp: int, pp: int, rank: int, vpp: int, ep: int
-                 ) -> list[int]:
+def _layer_params(model: ModelConfig, tp: int, pp: int, rank: int, vpp: int, ep: int
+                  ) -> list[int]:
     """Parameters of each layer on pipeline rank `rank` (an MoE layer's E / ep experts)."""
     spec = TransformerSpec.from_config(model)
     return [spec.layer_params(tp, layer, ep) for layer in _stage_layers(model, pp, rank, vpp)]
@@ -82,18 +85,27 @@ def _layer_units(model: ModelConfig, tp: int, pp: int, rank: int, vpp: int, ep: 
 def stage_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int,
                  vpp: int = 1, ep: int = 1) -> int:
     """Parameters on pipeline rank `rank` (all its chunks): its L/p layers and the
-    embedding / output pieces of `_end_units`."""
-    return sum(_layer_units(model, tp, pp, rank, vpp, ep)
-               + _end_units(model, padded_vocab, tp, pp, rank))
+    embedding, final norm and output layer of `_end_params`."""
+    return sum(_layer_params(model, tp, pp, rank, vpp, ep)) + sum(
+        _end_params(model, padded_vocab, tp, pp, rank).values())
 
 
-def largest_unit(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int,
-                 vpp: int = 1, ep: int = 1) -> int:
-    """Parameters of the largest FSDP unit on pipeline rank `rank`: one layer, the embedding
-    or the output layer with the final norm (one unit each, as Megatron-core and torchtitan
-    wrap)."""
-    return max(_layer_units(model, tp, pp, rank, vpp, ep)
-               + _end_units(model, padded_vocab, tp, pp, rank))
+def fsdp_units(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int,
+               vpp: int = 1, ep: int = 1) -> tuple[int, list[int]]:
+    """(root, units): parameters of the FSDP units on pipeline rank `rank`, as
+    megalite.distributed.fsdp wraps them - each layer (an MoE layer's experts a unit of their
+    own), the embedding, the output layer - and of the root, what is left: the final norm,
+    and the embedding with its tied head when one chunk holds both."""
+    spec = TransformerSpec.from_config(model)
+    units = []
+    for layer in _stage_layers(model, pp, rank, vpp):
+        experts = spec.expert_params(tp, layer, ep)
+        units += [spec.layer_params(tp, layer, ep) - experts] + ([experts] if experts else [])
+    ends = _end_params(model, padded_vocab, tp, pp, rank)
+    root = ends.pop("norm", 0)
+    if pp == 1 and spec.tie_output:
+        root += ends.pop("embedding")
+    return root, units + list(ends.values())
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int, act_bytes: int,
@@ -375,9 +387,8 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
         extras = _extras(configs, e, tp, sequence_parallel, padded_vocab, rank == 0,
                          rank == pp - 1, m if gpipe else min(pp, m), m if gpipe else 1)
         params = stage_params(configs.model, padded_vocab, tp, pp, rank, v, ep)
-        gather = gather_bytes(precision, sharding, params,
-                              largest_unit(configs.model, padded_vocab, tp, pp, rank, v, ep),
-                              pp > 1, m)
+        root, units = fsdp_units(configs.model, padded_vocab, tp, pp, rank, v, ep)
+        gather = gather_bytes(precision, sharding, params, root, max(units), pp > 1, m)
         stages[name] = StageMemory(params, state, inflight, float(inflight * v * stored) / cp,
                                    extras / cp, working / cp,
                                    stage_expert_params(configs.model, tp, pp, rank, v, ep),

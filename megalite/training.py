@@ -70,12 +70,13 @@ def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Mo
     padded = pad_vocab_size(configs.model.vocab_size, configs.model.make_vocab_size_divisible_by,
                             g.tp)
     stage = sum(p.numel() for p in params)
-    largest = planner.largest_unit(configs.model, padded, g.tp, g.pp, 0, layout.chunks_per_rank,
-                                   g.ep)
+    root, units = planner.fsdp_units(configs.model, padded, g.tp, g.pp, 0,
+                                     layout.chunks_per_rank, g.ep)
+    gather = model_state.gather_bytes(precision, layout.sharding, stage, root, max(units),
+                                      g.pp > 1, layout.num_microbatches)
     log(model_state.describe(precision, layout.sharding, g.dp * g.cp, g.ep,
                              configs.optimizer.optimizer_cpu_offload, stage - expert, expert,
-                             model_state.gather_bytes(precision, layout.sharding, stage, largest,
-                                                      g.pp > 1, layout.num_microbatches)))
+                             gather))
 
 
 def setup_parallel(configs: Configs, layout: RunLayout) -> None:

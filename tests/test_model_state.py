@@ -1,6 +1,7 @@
 """Model-state bytes per parameter per rank under each sharding strategy (megalite.model_state,
 megalite.planner) against the ZeRO paper's closed forms, written out here, and real models."""
 import dataclasses
+import functools
 
 import pytest
 
@@ -52,22 +53,24 @@ def test_unknown_strategy_is_one_line():
         state_bytes_per_param("bf16", "zero3")
 
 
-def _units(model: GPTModel) -> list[int]:
-    """Parameter counts of the FSDP units of a real model: each layer, the embedding, the
-    final norm with an untied output layer."""
+def _real_units(model: GPTModel) -> tuple[int, list[int]]:
+    """(root, units) of a real model wrapped as FSDP units: each layer, the embedding and the
+    output layer, unless the head reads the embedding (tied): then both stay in the root."""
     count = lambda module: sum(q.numel() for q in module.parameters())  # noqa: E731
-    tail = count(model.final_layernorm) + (count(model.output_layer)
-                                           if hasattr(model, "output_layer") else 0)
-    return [count(layer) for layer in model.encoder.layers.values()] + [
-        count(model.embedding), tail]
+    units = [count(layer) for layer in model.encoder.layers.values()]
+    if not hasattr(model, "output_layer"):
+        return count(model.embedding) + count(model.final_layernorm), units
+    return count(model.final_layernorm), units + [count(model.embedding),
+                                                  count(model.output_layer)]
 
 
 @pytest.mark.parametrize("llama", [False, True])
-def test_largest_unit_and_gather_buffers_equal_a_real_model(llama):
-    """The largest FSDP unit of a GPT (the embedding: V h + s h > 12 h^2 + 13 h) and a Llama
-    (untied output layer); ZeRO-3 gathers it twice (compute + prefetch) in bf16, ZeRO-2 and
-    ZeRO-3 under PP hold the whole stage; several microbatches add the stage's fp32
-    unsharded grads, accumulated until the step's one reduce-scatter."""
+def test_fsdp_units_and_gather_buffers_equal_a_real_model(llama):
+    """The FSDP units of a tied GPT (embedding in the root: V h + s h + 2h beside 12 h^2 + 13 h
+    layers) and a Llama (untied; the embedding and head are units of their own): ZeRO-3
+    gathers the root and the largest unit twice (computing + prefetched), ZeRO-2 and ZeRO-3
+    under PP the whole stage and one unit's grads; several microbatches add the stage's
+    fp32 unsharded grads, accumulated until the step's one reduce-scatter."""
     config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000,
                          max_position_embeddings=32)
     if llama:
@@ -75,21 +78,20 @@ def test_largest_unit_and_gather_buffers_equal_a_real_model(llama):
             config, normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
             ffn_hidden_size=96, group_query_attention=True, num_query_groups=2,
             disable_bias_linear=True, untie_embeddings_and_output_weights=True)
-    units = _units(GPTModel(config))
+    root, units = _real_units(GPTModel(config))
     padded = 1024
-    largest = planner.largest_unit(config, padded, 1, 1, 0)
-    assert largest == max(units)
-    stage = planner.stage_params(config, padded, 1, 1, 0)
-    assert stage == sum(units)
-    assert gather_bytes("bf16", "optim_grads_params", stage, largest, False) == 2 * 2 * max(units)
-    assert gather_bytes("fp32", "optim_grads_params", stage, largest, False) == 2 * 4 * max(units)
-    assert gather_bytes("bf16", "optim_grads", stage, largest, False) == 2 * sum(units)
-    assert gather_bytes("bf16", "optim_grads_params", stage, largest, True) == 2 * sum(units)
-    assert gather_bytes("bf16", "optim_grads_params", stage, largest, True, 4) == \
-        (2 + 4) * sum(units)
-    assert gather_bytes("fp32", "optim_grads_params", stage, largest, False, 2) == \
-        2 * 4 * max(units) + 4 * sum(units)
-    assert gather_bytes("bf16", "optim", stage, largest, False) == 0
+    assert planner.fsdp_units(config, padded, 1, 1, 0) == (root, units)
+    stage, largest = root + sum(units), max(units)
+    assert planner.stage_params(config, padded, 1, 1, 0) == stage
+    zero3 = functools.partial(gather_bytes, strategy="optim_grads_params", stage_params=stage,
+                              root=root, largest=largest)
+    assert zero3("bf16", pipeline=False) == 2 * (root + 2 * largest)
+    assert zero3("fp32", pipeline=False) == 4 * (root + 2 * largest)
+    assert zero3("bf16", pipeline=True) == 2 * (stage + largest)
+    assert zero3("bf16", pipeline=True, microbatches=4) == 2 * (stage + largest) + 4 * stage
+    assert gather_bytes("bf16", "optim_grads", stage, root, largest, False) == \
+        2 * (stage + largest)
+    assert gather_bytes("bf16", "optim", stage, root, largest, False, 4) == 0
 
 
 def test_start_up_line_counts_dense_over_dp_and_experts_over_expert_dp():

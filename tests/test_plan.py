@@ -224,18 +224,40 @@ def test_llama_flops_are_megatrons_gqa_swiglu_formula(groups):
     assert flops_per_iteration(c.model, B, s, V) == pytest.approx(want)
 
 
-def test_plan_tool_prints_a_plan(capsys):
+def _plan_tool():
     path = Path(__file__).resolve().parents[1] / "tools" / "plan.py"
     spec = importlib.util.spec_from_file_location("plan_tool", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    tool.main(["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+    return tool
+
+
+def test_plan_tool_prints_a_plan(capsys):
+    _plan_tool().main(["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
                "--vocab-size", "51200", "--seq-length", "2048", "--tp", "8", "--pp", "16",
                "--dp", "8", "--micro-batch-size", "1", "--global-batch-size", "1536", "--bf16",
                "--recompute-granularity", "selective", "--use-distributed-optimizer",
                "--peak-tflops", "312", "--mfu", "0.5"])
     out = capsys.readouterr().out
     assert "fits 80 GiB: yes" in out and "Pipeline bubble: 0.0781" in out
+
+
+def test_plan_tool_prints_the_model_state_of_each_strategy(capsys):
+    """bf16 over DP 8: 2 + 4 + 12 = 18, 2 + 4 + 12/8 = 7.5 B/param on the grad buffer; FSDP
+    4 + 4 + 8 over 8 = 2; offloaded, ZeRO-3 keeps none of it on the GPU."""
+    tool = _plan_tool()
+    model = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--vocab-size", "1000", "--seq-length", "32", "--dp", "8", "--bf16"]
+    want = {"no_shard": "18 B/param (2 params + 4 grads + 12 optimizer; 18 on the GPU, 0 in",
+            "optim": "7.5 B/param (2 params + 4 grads + 1.5 optimizer; 7.5 on the GPU, 0 in",
+            "optim_grads": "2 B/param (0.5 params + 0.5 grads + 1 optimizer; 2 on the GPU",
+            "optim_grads_params": "2 B/param (0.5 params + 0.5 grads + 1 optimizer; 2 on the"}
+    for strategy, line in want.items():
+        tool.main(model + ["--data-parallel-sharding-strategy", strategy])
+        assert f"Model state per rank: {line}" in capsys.readouterr().out, strategy
+    tool.main(model + ["--data-parallel-sharding-strategy", "optim_grads_params",
+                       "--optimizer-cpu-offload"])
+    assert "1 optimizer; 0 on the GPU, 2 in host memory)" in capsys.readouterr().out
 
 
 def test_moe_expert_states_shard_over_expert_data_parallel_ranks():

@@ -28,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
@@ -152,33 +153,58 @@ MEASURED = {  # name -> (world size, flags)
     "fp32 PP2 1F1B, full recompute, 8 layers": (2, SMALL + [
         "--num-layers", "8", "--num-attention-heads", "2", "--pp", "2",
         "--recompute-granularity", "full", "--global-batch-size", "16"]),
+    **{f"fp32 DP2 {strategy}, selective": (2, SMALL + [
+        "--dp", "2", "--recompute-granularity", "selective",
+        "--data-parallel-sharding-strategy", strategy])
+       for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params")},
+    "bf16 DP2 optim_grads_params, selective": (2, SMALL + [
+        "--bf16", "--dp", "2", "--recompute-granularity", "selective",
+        "--data-parallel-sharding-strategy", "optim_grads_params"]),
+    "fp32 PP2 x DP2 optim_grads_params, selective": (4, SMALL + [
+        "--pp", "2", "--dp", "2", "--recompute-granularity", "selective",
+        "--global-batch-size", "16", "--data-parallel-sharding-strategy", "optim_grads_params"]),
 }
 
 
 class LiveSavedBytes:
-    """Bytes of the storages autograd holds for backward, and their high-water mark.
+    """Bytes of the storages autograd holds for backward, and their high-water mark; with FSDP
+    also the bytes of its gathered parameters and unsharded grads (`gathered`, sampled at
+    every pack and unpack) and the high-water mark of both together.
 
     A saved tensor is wrapped on pack; when autograd drops the wrapper the storage's count
-    drops, and the storage stops counting with its last wrapper. Parameters are excluded.
+    drops, and the storage stops counting with its last wrapper. Parameters (FSDP's gathered
+    ones included) are excluded.
     """
 
     class _Saved:
         def __init__(self, tensor: torch.Tensor) -> None:
             self.tensor = tensor
 
-    def __init__(self, params) -> None:
-        self.excluded = {p.untyped_storage().data_ptr() for p in params}
+    def __init__(self, params, gathered=lambda: []) -> None:
+        self.excluded = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage()
+                         .data_ptr() for p in params}
+        self.gathered = gathered
         self.refs: Counter = Counter()
-        self.live = self.peak = 0
+        self.live = self.peak = self.peak_gathered = self.peak_total = 0
+
+    def _sample(self) -> set:
+        """Storages of FSDP's unsharded tensors now; the peaks updated."""
+        storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage()
+                                                         for t in self.gathered()) if s.nbytes()}
+        gathered = sum(storages.values())
+        self.peak_gathered = max(self.peak_gathered, gathered)
+        self.peak_total = max(self.peak_total, self.live + gathered)
+        return set(storages)
 
     def pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
         ptr, size = storage.data_ptr(), storage.nbytes()
-        if ptr in self.excluded or size == 0:
+        if ptr in self.excluded or ptr in self._sample() or size == 0:
             return tensor
         if not self.refs[ptr]:
             self.live += size
             self.peak = max(self.peak, self.live)
+            self._sample()
         self.refs[ptr] += 1
         saved = self._Saved(tensor)
         weakref.finalize(saved, self._release, ptr, size)
@@ -189,8 +215,8 @@ class LiveSavedBytes:
         if not self.refs[ptr]:
             self.live -= size
 
-    @staticmethod
-    def unpack(saved) -> torch.Tensor:
+    def unpack(self, saved) -> torch.Tensor:
+        self._sample()
         return saved if isinstance(saved, torch.Tensor) else saved.tensor
 
 
@@ -198,7 +224,7 @@ def measure_rank(argv: list[str]) -> dict:
     """On every rank of a fresh process group: two real training steps of the configs in
     `argv`; the model state and the peak of saved-for-backward bytes in the second."""
     import pretrain_gpt
-    from bench_memory import _state_bytes
+    from bench_fsdp import fsdp_buffers, model_state_bytes
     from megalite import training
     from megalite.layout import RunLayout
     from megalite.mpu import parallel_state as ps
@@ -216,23 +242,23 @@ def measure_rank(argv: list[str]) -> dict:
     step = functools.partial(training.train_step, pretrain_gpt.forward_step, data, model,
                              optimizer, layout)
     step()  # allocates the optimizer state
-    saved = LiveSavedBytes([q for chunk in model for q in chunk.parameters()])
+    saved = LiveSavedBytes([q for chunk in model for q in chunk.parameters()],
+                           functools.partial(fsdp_buffers, model))
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         step()
-    per_chunk = [_state_bytes(chunk, optimizer) for chunk in model]
-    state = {key: sum(s[key] for s in per_chunk) for key in ("params", "grads")}
-    state["optimizer"] = per_chunk[0]["main"] + per_chunk[0]["optim"]  # optimizer-wide
     return {"tp": ps.get_tensor_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
-            "pp": ps.get_pipeline_model_parallel_rank(), "state": state,
-            "activations": saved.peak}
+            "pp": ps.get_pipeline_model_parallel_rank(),
+            "state": model_state_bytes(model, optimizer), "activations": saved.peak,
+            "gathered": saved.peak_gathered, "peak": saved.peak_total}
 
 
 def validate_memory() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_memory for the workers
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_fsdp for the workers
     mib = 2 ** 20
-    print("(a) Peak memory per rank (MiB): model state + saved activations, estimate | measured")
-    print(f"{'':48} {'state':>13} {'activations':>13} {'total':>13}")
-    print(f"{'configuration':42} {'stage':>5}" + "   est.  meas." * 3 + "  est/meas")
+    print("(a) Peak memory per rank (MiB): model state + saved activations + FSDP's gathered "
+          "params, estimate | measured")
+    print(f"{'':48} {'state':>13} {'activations':>13} {'gathered':>13} {'total':>13}")
+    print(f"{'configuration':42} {'stage':>5}" + "   est.  meas." * 4 + "  est/meas")
     for name, (world, argv) in MEASURED.items():
         results = run_once(world, measure_rank, argv)
         estimate = plan(parse(argv)[0])
@@ -244,10 +270,11 @@ def validate_memory() -> None:
             state = sum(r["state"].values())
             pairs = ((stage.state_bytes.total, state),
                      (stage.activations, r["activations"]),
-                     (stage.total, state + r["activations"]))
+                     (stage.gather, r["gathered"]),
+                     (stage.total, state + r["peak"]))
             print(f"{name:42} {r['pp']:5} " + " ".join(f"{a / mib:6.1f} {b / mib:6.1f}"
                                                        for a, b in pairs)
-                  + f" {stage.total / (state + r['activations']):6.3f}")
+                  + f" {stage.total / (state + r['peak']):6.3f}")
 
 
 # --- validation (b): published Megatron-LM configurations -----------------------------------

@@ -1,0 +1,265 @@
+"""Data-parallel sharding strategies on CPU ranks: model-state memory, step time, and ZeRO-3
+against transformers' Llama on torch FSDP2.
+
+    python tools/bench_fsdp.py [--hidden-size 256 --num-layers 4 --seq-length 128 --steps 4]
+
+One pool of gloo ranks per DP size (OMP_NUM_THREADS=1 per rank) runs every configuration
+in turn through megalite's own set-up (`training.build_model`, `get_optimizer`,
+`training.train_step`) on a Llama-shaped model (RMSNorm, rope, SwiGLU, 2 KV groups, untied
+head, no dropout). Prints three tables; asserts nothing.
+
+1. Model state per rank at DP 2 and 4, fp32 and bf16, each strategy (and optim /
+   optim_grads_params with --optimizer-cpu-offload at DP 2): the bytes of the distinct
+   storages that live between steps on rank 0, counted after a step - parameters (the local
+   shard of a DTensor), gradients (grad buffers, grad shards), the optimizer's fp32 main
+   copies and its state (exp_avg, exp_avg_sq, step) - against the planner's closed form
+   (megalite.model_state for the planner's parameter count).
+2. Step time of each strategy at DP 2 in fp32 (median of --steps after a warm-up, ranks
+   synchronised before each step) over no_shard's.
+3. megalite ZeRO-3 against transformers `LlamaForCausalLM` with `fully_shard` on the
+   embedding, each decoder layer, norm + head and the root (torchtitan's recipe) at DP 2:
+   the same weights (megalite.hf.load_llama), the same batch on each DP rank, AdamW with the
+   same settings (no weight decay, no clipping, constant lr), steps interleaved; the loss of
+   each step (mean over DP) and the median step time of each, their ratio.
+"""
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from megalite.rank_pool import RankPool  # noqa: E402
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+         "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
+         "--attention-dropout", "0"]
+OPTIMIZER = ["--weight-decay", "0", "--clip-grad", "0", "--lr-decay-style", "constant",
+             "--lr-warmup-iters", "0", "--lr", "1e-3"]
+
+
+def storage_bytes(tensors, seen: set) -> int:
+    """Bytes of the storages of `tensors` (DTensors: their local shard) not in `seen`."""
+    from torch.distributed.tensor import DTensor
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), str(tensor.device))
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(model: list, optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer (fp32 main copies + state) on this rank,
+    each storage once, for megalite's grad buffer and FSDP2 chunks alike."""
+    seen: set = set()
+    params = [p for chunk in model for p in chunk.parameters()]
+    out = {"params": storage_bytes(params, seen)}
+    out["grads"] = storage_bytes(
+        [b.grad_data for chunk in model for b in getattr(chunk, "grad_buffers", [])]
+        + [p.grad for p in params] + [getattr(p, "main_grad", None) for p in params], seen)
+    state = [t for s in optimizer.optimizer.state.values() for t in s.values()
+             if torch.is_tensor(t)]
+    out["optimizer"] = storage_bytes([f.main for f in optimizer.fragments] + state, seen)
+    return out
+
+
+def fsdp_buffers(model: list) -> list[torch.Tensor]:
+    """FSDP2's unsharded tensors of this rank's chunks at this moment: gathered parameters and
+    unsharded (accumulated) grads (storages of size 0 once freed)."""
+    from torch.distributed.fsdp import FSDPModule
+    out = []
+    for module in (m for chunk in model for m in chunk.modules() if isinstance(m, FSDPModule)):
+        group = module._get_fsdp_state()._fsdp_param_group
+        for param in group.fsdp_params if group else []:
+            unsharded = getattr(param, "_unsharded_param", None)
+            out += [t for t in (unsharded, getattr(unsharded, "grad", None),
+                                param.unsharded_accumulated_grad) if t is not None]
+    return out
+
+
+def _batches(configs, steps: int) -> list[torch.Tensor]:
+    """This DP rank's token batches [b, s + 1], one per step."""
+    from megalite.mpu import parallel_state as ps
+    t = configs.train
+    generator = torch.Generator().manual_seed(100 + ps.get_data_parallel_rank())
+    return [torch.randint(0, configs.model.vocab_size, (t.micro_batch_size, t.seq_length + 1),
+                          generator=generator) for _ in range(steps)]
+
+
+def _setup(argv: list[str], provider=None):
+    """(configs, layout, model chunks, optimizer) built as pretrain_gpt builds them."""
+    import pretrain_gpt
+    from megalite import training
+    from megalite.config import parse_configs
+    from megalite.layout import RunLayout
+    from megalite.optimizer import get_optimizer
+    configs = parse_configs(argv)
+    layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
+    training.setup_parallel(configs, layout)
+    model = training.build_model(configs, provider or functools.partial(
+        pretrain_gpt.model_provider, configs))
+    optimizer, _ = get_optimizer(configs.optimizer, configs.precision, model, 10)
+    return configs, layout, model, optimizer
+
+
+def _train_step(configs, layout, model, optimizer, tokens: torch.Tensor) -> float:
+    import pretrain_gpt
+    from megalite import training
+    return training.train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]), model,
+                               optimizer, layout)[0]
+
+
+def measure(argv: list[str], steps: int) -> dict:
+    """On every rank: a warm-up step and `steps` timed ones; the model state after them."""
+    configs, layout, model, optimizer = _setup(argv)
+    times = []
+    for tokens in _batches(configs, steps + 1):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        _train_step(configs, layout, model, optimizer, tokens)
+        times.append(time.perf_counter() - start)
+    return {"state": model_state_bytes(model, optimizer),
+            "params": sum(p.numel() for chunk in model for p in chunk.parameters()),
+            "time": statistics.median(times[1:])}
+
+
+def closed_form(argv: list[str], world: int) -> float:
+    """The planner's model-state bytes of rank 0 (first stage) for `argv` on `world` ranks."""
+    from megalite.config import parse_configs
+    from megalite.planner import plan
+    configs = parse_configs(argv)
+    configs.parallel.data_parallel_size = world
+    return plan(configs).stages["first"].state_bytes.total
+
+
+def hf_versus_megalite(argv: list[str], steps: int) -> dict:
+    """On every rank: megalite ZeRO-3 and FSDP2-wrapped transformers Llama from the same
+    weights, the same batches, steps interleaved; losses (mean over DP) and median times."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+    from megalite import device
+    from megalite.config import parse_configs
+    from megalite.hf.llama import load_llama, to_llama_config
+    from megalite.models import GPTModel
+    from megalite.mpu import comm
+    from megalite.mpu import parallel_state as ps
+    model_config = parse_configs(argv).model
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(to_llama_config(model_config)).to(device.current_device())
+
+    def provider(pre_process: bool, post_process: bool):
+        model = GPTModel(model_config, pre_process=pre_process, post_process=post_process,
+                         device=device.current_device())
+        load_llama(model, hf.state_dict(), model_config)
+        return model
+    configs, layout, model, optimizer = _setup(argv, provider)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    mesh = DeviceMesh.from_group(group, device.device_type())
+    for unit in (hf.model.embed_tokens, *hf.model.layers):
+        fully_shard(unit, mesh=mesh)
+    fully_shard([hf.model.norm, hf.lm_head], mesh=mesh)
+    fully_shard(hf, mesh=mesh)
+    o = configs.optimizer
+    hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                                     eps=o.adam_eps, weight_decay=0.0)
+    losses, times = {"megalite": [], "transformers": []}, {"megalite": [], "transformers": []}
+    for tokens in _batches(configs, steps + 1):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        losses["megalite"].append(_train_step(configs, layout, model, optimizer, tokens))
+        times["megalite"].append(time.perf_counter() - start)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        tokens = tokens.to(device.current_device())
+        logits = hf(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                 tokens[:, 1:].flatten())
+        loss.backward()
+        hf_optimizer.step()
+        hf_optimizer.zero_grad()
+        mean = loss.detach().reshape(1)
+        comm.all_reduce(mean, group)
+        losses["transformers"].append(mean.item() / comm.world_size(group))
+        times["transformers"].append(time.perf_counter() - start)
+    return {"losses": losses, "time": {k: statistics.median(v[1:]) for k, v in times.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up")
+    args = parser.parse_args()
+    h = args.hidden_size
+    model = ["--num-layers", str(args.num_layers), "--hidden-size", str(h),
+             "--num-attention-heads", str(max(h // 64, 2)), "--ffn-hidden-size",
+             str(8 * h // 3 // 64 * 64), "--vocab-size", str(args.vocab_size),
+             "--max-position-embeddings", str(args.seq_length), *LLAMA, *OPTIMIZER]
+    timed = model + ["--seq-length", str(args.seq_length), "--micro-batch-size",
+                     str(args.micro_batch_size)]
+    small = model + ["--seq-length", "16", "--micro-batch-size", "1"]  # memory only: cheap bf16
+    mib = 2 ** 20
+    print(f"Llama-shaped, {args.num_layers} layers, hidden {h}, vocab {args.vocab_size}; "
+          f"gloo CPU ranks, OMP_NUM_THREADS=1\n")
+    print("1. Model state per rank, rank 0 (MiB): counted | closed form (megalite.model_state)")
+    print(f"{'DP':>2} {'precision':9} {'strategy':28} {'params':>7} {'grads':>7} {'optim.':>7} "
+          f"{'total':>7} {'B/param':>7} {'closed':>7} {'ratio':>6}")
+    timing = {}
+    for world in (2, 4):
+        pool = RankPool(world, timeout_s=1200)
+        try:
+            runs = [(precision, strategy, offload) for precision in ("fp32", "bf16")
+                    for strategy in STRATEGIES for offload in (False, True)
+                    if not offload or (world == 2 and strategy in ("optim", "optim_grads_params"))]
+            for precision, strategy, offload in runs:
+                flags = small + ["--data-parallel-sharding-strategy", strategy] + \
+                    (["--bf16"] if precision == "bf16" else []) + \
+                    (["--optimizer-cpu-offload"] if offload else [])
+                r = pool.run(measure, flags, 1)[0]
+                state, closed = r["state"], closed_form(flags, world)
+                total = sum(state.values())
+                name = strategy + (" + CPU offload" if offload else "")
+                print(f"{world:2} {precision:9} {name:28} " + " ".join(
+                    f"{state[k] / mib:7.2f}" for k in ("params", "grads", "optimizer"))
+                    + f" {total / mib:7.2f} {total / r['params']:7.3f} {closed / mib:7.2f}"
+                    f" {total / closed:6.3f}", flush=True)
+            if world == 2:
+                for strategy in STRATEGIES:
+                    flags = timed + ["--data-parallel-sharding-strategy", strategy]
+                    timing[strategy] = pool.run(measure, flags, args.steps)[0]["time"]
+                versus = pool.run(hf_versus_megalite, timed + [
+                    "--data-parallel-sharding-strategy", "optim_grads_params"], args.steps)[0]
+        finally:
+            pool.close()
+    print(f"\n2. Step time at DP 2, fp32, seq {args.seq_length}, micro batch "
+          f"{args.micro_batch_size} (median of {args.steps} steps)")
+    print(f"{'strategy':20} {'s/step':>7} {'vs no_shard':>11}")
+    for strategy, seconds in timing.items():
+        print(f"{strategy:20} {seconds:7.3f} {seconds / timing['no_shard']:10.2f}x")
+    print("\n3. ZeRO-3 at DP 2, fp32: megalite vs transformers LlamaForCausalLM + fully_shard")
+    print(f"{'step':>4} {'megalite loss':>14} {'transformers':>14} {'rel. diff':>10}")
+    for step, (ours, theirs) in enumerate(zip(versus["losses"]["megalite"],
+                                              versus["losses"]["transformers"])):
+        print(f"{step:4} {ours:14.7f} {theirs:14.7f} {abs(ours - theirs) / abs(theirs):10.2e}")
+    ours, theirs = versus["time"]["megalite"], versus["time"]["transformers"]
+    print(f"s/step: megalite {ours:.3f}, transformers {theirs:.3f}; transformers / megalite = "
+          f"{theirs / ours:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
