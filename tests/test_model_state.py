@@ -54,20 +54,22 @@ def test_unknown_strategy_is_one_line():
 
 
 def _real_units(model: GPTModel) -> tuple[int, list[int]]:
-    """(root, units) of a real model wrapped as FSDP units: each layer, the embedding and the
-    output layer, unless the head reads the embedding (tied): then both stay in the root."""
-    count = lambda module: sum(q.numel() for q in module.parameters())  # noqa: E731
-    units = [count(layer) for layer in model.encoder.layers.values()]
-    if not hasattr(model, "output_layer"):
-        return count(model.embedding) + count(model.final_layernorm), units
-    return count(model.final_layernorm), units + [count(model.embedding),
-                                                  count(model.output_layer)]
+    """(root, sorted units): parameters of the units megalite.distributed.fsdp wraps in a real
+    model (inner units first, each parameter in its innermost unit) and of the root."""
+    from megalite.distributed.fsdp import _units
+    counted, units = set(), []
+    for module, _ in _units(model):
+        own = [q for q in module.parameters() if id(q) not in counted]
+        counted.update(id(q) for q in own)
+        units.append(sum(q.numel() for q in own))
+    return sum(q.numel() for q in model.parameters() if id(q) not in counted), sorted(units)
 
 
 @pytest.mark.parametrize("llama", [False, True])
 def test_fsdp_units_and_gather_buffers_equal_a_real_model(llama):
     """The FSDP units of a tied GPT (embedding in the root: V h + s h + 2h beside 12 h^2 + 13 h
-    layers) and a Llama (untied; the embedding and head are units of their own): ZeRO-3
+    layers) and a Llama (untied; the embedding and head are units of their own) against
+    the units megalite.distributed.fsdp wraps in a real model; ZeRO-3
     gathers the root and the largest unit twice (computing + prefetched), ZeRO-2 and ZeRO-3
     under PP the whole stage and one unit's grads; several microbatches add the stage's
     fp32 unsharded grads, accumulated until the step's one reduce-scatter."""
@@ -80,7 +82,8 @@ def test_fsdp_units_and_gather_buffers_equal_a_real_model(llama):
             disable_bias_linear=True, untie_embeddings_and_output_weights=True)
     root, units = _real_units(GPTModel(config))
     padded = 1024
-    assert planner.fsdp_units(config, padded, 1, 1, 0) == (root, units)
+    planned_root, planned = planner.fsdp_units(config, padded, 1, 1, 0)
+    assert (planned_root, sorted(planned)) == (root, units)
     stage, largest = root + sum(units), max(units)
     assert planner.stage_params(config, padded, 1, 1, 0) == stage
     zero3 = functools.partial(gather_bytes, strategy="optim_grads_params", stage_params=stage,
