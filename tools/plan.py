@@ -10,12 +10,14 @@ Model, layout, precision and recompute flags are megalite's own (megalite.config
 formulas are in megalite/planner.py. `--validate` prints (a) the estimate against the
 peak measured in real megalite training steps on CPU ranks and (b) published Megatron-LM
 configurations. What (a) measures, per rank, in fresh gloo processes: the bytes of the
-model state after the second step (parameters, DDP grad buffers, fp32 main params,
-optimizer state: tools/bench_memory.py's counting) plus the high-water mark of the bytes
-autograd holds for backward during that step (unique storages, parameters excluded,
-counted from the moment a tensor is saved until autograd releases it) - the quantity the
-planner estimates. Transient buffers (grads of activations, logits before the loss,
-communication buffers) are in neither. Layouts without recompute are left out of (a):
+model state after the second step (parameters or their DP shards, grad buffers or shards,
+fp32 main params, optimizer state: tools/bench_fsdp.py's counting, each storage once) plus
+the high-water mark, during that step, of the bytes autograd holds for backward (unique
+storages, parameters excluded, counted from the moment a tensor is saved until autograd
+releases it) together with FSDP's gathered parameters and unsharded grads (sampled at
+every save and every use of a saved tensor) - the quantities the planner estimates, for
+each sharding strategy. Other transient buffers (grads of activations, logits before the
+loss, communication buffers) are in neither. Layouts without recompute are left out of (a):
 with attention dropout, torch's CPU attention (the SDPA math path) keeps scores,
 probabilities and mask in fp32, about 13.5 as/h sbh per layer in bf16 where Megatron's
 fused kernels keep Korthikanti's 5 as/h sbh; recompute avoids storing them.
@@ -160,9 +162,6 @@ MEASURED = {  # name -> (world size, flags)
     "bf16 DP2 optim_grads_params, selective": (2, SMALL + [
         "--bf16", "--dp", "2", "--recompute-granularity", "selective",
         "--data-parallel-sharding-strategy", "optim_grads_params"]),
-    "fp32 PP2 x DP2 optim_grads_params, selective": (4, SMALL + [
-        "--pp", "2", "--dp", "2", "--recompute-granularity", "selective",
-        "--global-batch-size", "16", "--data-parallel-sharding-strategy", "optim_grads_params"]),
 }
 
 
