@@ -94,15 +94,16 @@ def fsdp_units(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: in
                vpp: int = 1, ep: int = 1) -> tuple[int, list[int]]:
     """(root, units): parameters of the FSDP units on pipeline rank `rank`, as
     megalite.distributed.fsdp wraps them - each layer (an MoE layer's experts a unit of their
-    own), the embedding, the output layer - and of the root, what is left: the final norm,
-    and the embedding with its tied head when one chunk holds both."""
+    own) and the embedding - and of the root, what is left: the final norm, the output
+    layer (read through `lm_logits`, not its forward), and the embedding too when one chunk
+    holds it and its tied head."""
     spec = TransformerSpec.from_config(model)
     units = []
     for layer in _stage_layers(model, pp, rank, vpp):
         experts = spec.expert_params(tp, layer, ep)
         units += [spec.layer_params(tp, layer, ep) - experts] + ([experts] if experts else [])
     ends = _end_params(model, padded_vocab, tp, pp, rank)
-    root = ends.pop("norm", 0)
+    root = ends.pop("norm", 0) + ends.pop("output", 0)
     if pp == 1 and spec.tie_output:
         root += ends.pop("embedding")
     return root, units + list(ends.values())
@@ -375,7 +376,7 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
     padded_vocab = pad_vocab_size(configs.model.vocab_size,
                                   configs.model.make_vocab_size_divisible_by, tp)
     ep, sharding = par.expert_model_parallel_size, layout.sharding
-    offload = configs.optimizer.optimizer_cpu_offload
+    offload = layout.cpu_offload
     state = state_bytes_per_param(precision, sharding, dp * cp, offload)
     expert_state = state_bytes_per_param(precision, sharding, dp * cp // ep, offload)
     stored, working = _layer_stack(configs, configs.model.num_layers // (pp * v), e, tp,

@@ -75,7 +75,7 @@ def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Mo
     gather = model_state.gather_bytes(precision, layout.sharding, stage, root, max(units),
                                       g.pp > 1, layout.num_microbatches)
     log(model_state.describe(precision, layout.sharding, g.dp * g.cp, g.ep,
-                             configs.optimizer.optimizer_cpu_offload, stage - expert, expert,
+                             layout.cpu_offload, stage - expert, expert,
                              gather))
 
 

@@ -68,8 +68,8 @@ def _real_units(model: GPTModel) -> tuple[int, list[int]]:
 @pytest.mark.parametrize("llama", [False, True])
 def test_fsdp_units_and_gather_buffers_equal_a_real_model(llama):
     """The FSDP units of a tied GPT (embedding in the root: V h + s h + 2h beside 12 h^2 + 13 h
-    layers) and a Llama (untied; the embedding and head are units of their own) against
-    the units megalite.distributed.fsdp wraps in a real model; ZeRO-3
+    layers) and a Llama (untied: the embedding a unit, the head in the root) against the
+    units megalite.distributed.fsdp wraps in a real model; ZeRO-3
     gathers the root and the largest unit twice (computing + prefetched), ZeRO-2 and ZeRO-3
     under PP the whole stage and one unit's grads; several microbatches add the stage's
     fp32 unsharded grads, accumulated until the step's one reduce-scatter."""

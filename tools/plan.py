@@ -93,7 +93,7 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
         f"batch {t.micro_batch_size}, global batch {p.layout.global_batch_size} = {p.layout.num_microbatches} "
         f"microbatches per DP rank; {p.layout.schedule.name}; {p.precision}, recompute "
         f"{m.recompute_granularity or 'none'}, sharding {p.layout.sharding}"
-        f"{' with optimizer CPU offload' if c.optimizer.optimizer_cpu_offload else ''}"
+        f"{' with optimizer CPU offload' if p.layout.cpu_offload else ''}"
         f"{', sequence parallel' if p.sequence_parallel else ''}",
         "", f"Memory per GPU (GiB)                  {'first stage':>12} {'last stage':>12}"]
     first, last = p.stages["first"], p.stages["last"]
