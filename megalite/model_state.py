@@ -98,18 +98,17 @@ def gather_bytes(precision: str, strategy: str, stage_params: int, root: int, la
     other unit twice - the one computing and the next one prefetched, or in backward its
     own unsharded grads. ZeRO-2, and ZeRO-3 under PP (parameters stay gathered across the
     microbatches of a step): the whole stage from forward to backward, and the largest
-    unit's unsharded grads before their reduce-scatter. With several microbatches grads are
-    reduced once per step, so the stage's unsharded grads accumulate in fp32 until then.
-    Nothing for no_shard and optim (ZeRO-1 gathers into the parameters themselves)."""
+    unit's unsharded grads before their reduce-scatter - or, with several microbatches,
+    whose grads are reduced once per step, the stage's unsharded grads accumulated in fp32
+    (in every strategy). Nothing for no_shard and optim (ZeRO-1 gathers into the
+    parameters themselves)."""
     check_strategy(strategy)
     if strategy not in FSDP_STRATEGIES:
         return 0
-    e = COMPUTE_BYTES[precision]
+    e, accumulated = COMPUTE_BYTES[precision], 4 * stage_params if microbatches > 1 else 0
     if strategy == "optim_grads_params" and not pipeline:
-        params = (root + 2 * largest) * e
-    else:
-        params = (stage_params + largest) * e
-    return params + (4 * stage_params if microbatches > 1 else 0)
+        return (root + 2 * largest) * e + accumulated
+    return stage_params * e + (accumulated or largest * e)
 
 
 def describe(precision: str, strategy: str, n: int, ep: int, offload: bool, dense: int,

@@ -71,8 +71,8 @@ def test_fsdp_units_and_gather_buffers_equal_a_real_model(llama):
     layers) and a Llama (untied: the embedding a unit, the head in the root) against the
     units megalite.distributed.fsdp wraps in a real model; ZeRO-3
     gathers the root and the largest unit twice (computing + prefetched), ZeRO-2 and ZeRO-3
-    under PP the whole stage and one unit's grads; several microbatches add the stage's
-    fp32 unsharded grads, accumulated until the step's one reduce-scatter."""
+    under PP the whole stage and one unit's grads - or, with several microbatches, the
+    stage's fp32 unsharded grads accumulated until the step's one reduce-scatter."""
     config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000,
                          max_position_embeddings=32)
     if llama:
@@ -91,7 +91,8 @@ def test_fsdp_units_and_gather_buffers_equal_a_real_model(llama):
     assert zero3("bf16", pipeline=False) == 2 * (root + 2 * largest)
     assert zero3("fp32", pipeline=False) == 4 * (root + 2 * largest)
     assert zero3("bf16", pipeline=True) == 2 * (stage + largest)
-    assert zero3("bf16", pipeline=True, microbatches=4) == 2 * (stage + largest) + 4 * stage
+    assert zero3("bf16", pipeline=True, microbatches=4) == 2 * stage + 4 * stage
+    assert zero3("bf16", pipeline=False, microbatches=4) == 2 * (root + 2 * largest) + 4 * stage
     assert gather_bytes("bf16", "optim_grads", stage, root, largest, False) == \
         2 * (stage + largest)
     assert gather_bytes("bf16", "optim", stage, root, largest, False, 4) == 0

@@ -162,6 +162,9 @@ MEASURED = {  # name -> (world size, flags)
     "bf16 DP2 optim_grads_params, selective": (2, SMALL + [
         "--bf16", "--dp", "2", "--recompute-granularity", "selective",
         "--data-parallel-sharding-strategy", "optim_grads_params"]),
+    "fp32 PP2 x DP2 optim_grads_params, selective": (4, SMALL + [
+        "--pp", "2", "--dp", "2", "--recompute-granularity", "selective",
+        "--global-batch-size", "16", "--data-parallel-sharding-strategy", "optim_grads_params"]),
 }
 
 
