@@ -31,7 +31,7 @@ from megalite.models.stage import (build_model_chunks, finalize_model_grads,
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import pad_vocab_size
-from megalite.optimizer import get_optimizer, optimizer_settings
+from megalite.optimizer import get_optimizer
 from megalite.resilience import ExitSignalHandler, SkipGuard, inject_faults, parse_faults
 from megalite.schedules.executor import forward_backward
 from megalite.schedules.accounting import pipeline_summary
