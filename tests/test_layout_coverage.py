@@ -30,11 +30,10 @@ def single(prefix, tmp_path_factory) -> dict[str, dict[int, float]]:
             for precision, flags in (("fp32", []), ("bf16", ["--bf16"]), ("fp16", ["--fp16"]))}
 
 
+# PP x DP with VPP, ZeRO-1 and 1F1B at 4 and 8 ranks: the hops of test_checkpoint_reshard,
+# each a loss curve against the single-process run
 @pytest.mark.parametrize("world,layout,precision,tolerance", [
-    (4, ["--pp", "2", "--vpp", "2", "--dp", "2", "--use-distributed-optimizer"], "fp32", 1e-5),
-    (8, ["--pp", "4", "--dp", "2"], "fp32", 1e-5),
     (2, ["--pp", "2", "--pipeline-schedule", "gpipe"], "fp32", 1e-5),
-    (4, ["--pp", "2", "--dp", "2", "--use-distributed-optimizer"], "fp32", 1e-5),
     # bf16/fp16 messages between stages. The tied embedding's two grads are summed in
     # bf16/fp16 by autograd in one process but in fp32 over the two stages; Adam's first
     # steps (about lr x sign) amplify that rounding (measured up to 2e-4 at step 3)

@@ -2,13 +2,13 @@
 
     python tools/bench_checkpoint.py [--ranks 8 --hidden-size 512 --num-layers 12]
 
-For each layout (default TP2 x PP2 x DP2 ZeRO-1 and DP 8 ZeRO-1) every rank builds its shard
+For each layout (TP2 x PP2 x DP2 ZeRO-1, DP 8 ZeRO-1, DP 8 ZeRO-3) every rank builds its shard
 of a GPT (32k vocabulary), takes one Adam step on random grads (so the optimizer state
 exists) and then, between barriers:
 - new save / new load: megalite.checkpointing (every rank writes and reads only its slices);
 - old save / old load: the previous format, re-enacted here as a reference: one process per
   stage writes the TP-gathered stage, every rank its own optimizer file; on load every rank
-  reads every stage file whole and its own optimizer file;
+  reads every stage file whole and its own optimizer file (not for ZeRO-3, which it had not);
 - async: the time a save blocks the loop with --async-save (host copy) and the wait at the
   next save after one more step of busy work as long as the synchronous save, vs sync.
 Wall time is the slowest rank's, the best of --repeats runs; peak host memory is the largest rise of any rank's resident
@@ -40,7 +40,10 @@ from megalite.optimizer import get_optimizer  # noqa: E402
 from megalite.rank_pool import run_once  # noqa: E402
 from megalite.training import build_model, setup_parallel  # noqa: E402
 
-LAYOUTS = {"TP2 x PP2 x DP2": ["--tp", "2", "--pp", "2", "--dp", "2"], "DP 8": ["--dp", "8"]}
+ZERO1, ZERO3 = ["--use-distributed-optimizer"], ["--data-parallel-sharding-strategy",
+                                                 "optim_grads_params"]
+LAYOUTS = {"TP2 x PP2 x DP2": ["--tp", "2", "--pp", "2", "--dp", "2", *ZERO1],
+           "DP 8": ["--dp", "8", *ZERO1], "DP 8 ZeRO-3": ["--dp", "8", *ZERO3]}
 
 
 class PeakRss:
@@ -109,7 +112,7 @@ def _busy(seconds: float) -> None:
 
 
 def bench(flags: list[str], model_flags: list[str], root: str, repeats: int) -> dict:
-    configs = parse_configs([*flags, *model_flags, "--use-distributed-optimizer"])
+    configs = parse_configs([*flags, *model_flags])
     setup_parallel(configs, RunLayout.from_configs(configs, dist.get_world_size()))
 
     def provider(pre_process: bool, post_process: bool) -> GPTModel:
@@ -129,9 +132,10 @@ def bench(flags: list[str], model_flags: list[str], root: str, repeats: int) -> 
                                              scheduler, 0, configs.model, async_save=async_save)
     ops = {"new save": save,
            "new load": lambda: checkpointing.load_checkpoint(f"{root}/new", model, optimizer,
-                                                             scheduler, configs.model),
-           "old save": lambda: _old_save(f"{root}/old", model, optimizer),
-           "old load": lambda: _old_load(f"{root}/old", model, optimizer)}
+                                                             scheduler, configs.model)}
+    if configs.optimizer.sharding == "optim":  # format 2 knew no FSDP
+        ops.update({"old save": lambda: _old_save(f"{root}/old", model, optimizer),
+                    "old load": lambda: _old_load(f"{root}/old", model, optimizer)})
     out = {}
     for _ in range(repeats):  # the fastest of each: the disk is shared with other work
         for name, op in ops.items():
@@ -159,7 +163,7 @@ def main() -> None:
                    "--global-batch-size", str(args.ranks)]
     params = 12 * args.num_layers * args.hidden_size ** 2 + 32000 * args.hidden_size
     print(f"GPT {args.num_layers} layers, hidden {args.hidden_size}, ~{params / 1e6:.0f}M "
-          f"parameters (fp32 weights ~{4 * params / 2**20:.0f} MiB), Adam, ZeRO-1; "
+          f"parameters (fp32 weights ~{4 * params / 2**20:.0f} MiB), Adam; "
           f"{args.ranks} gloo CPU ranks; wall s of the slowest rank / peak RSS rise MiB of "
           f"the largest rank")
     print(f"{'layout':18} {'':14} {'save s':>7} {'MiB':>6} {'load s':>7} {'MiB':>6}")
@@ -174,7 +178,7 @@ def main() -> None:
 
         def worst(key: str) -> tuple[float, float]:
             return (max(r[key][0] for r in results), max(r[key][1] for r in results) / 2**20)
-        for fmt in ("new", "old"):
+        for fmt in ("new", "old") if "old save" in results[0] else ("new",):
             (s, sm), (ld, lm) = worst(f"{fmt} save"), worst(f"{fmt} load")
             label = "sharded" if fmt == "new" else "previous format"
             print(f"{name:18} {label:14} {s:7.2f} {sm:6.0f} {ld:7.2f} {lm:6.0f}")
