@@ -43,7 +43,7 @@ def _hops(prefix: str, root: str, chain: list[list[str]], first: int, flags: lis
 
 
 # DeepSeek-V3's expert bias (a checkpointed buffer) on; EP2 saves grouped (stacked) experts,
-# EP4 loads them as looped ones
+# EP4 (ZeRO-3, expert-DP 1) loads them as looped ones
 MOE = [*MOE_FLAGS, "--moe-router-enable-expert-bias"]
 
 
@@ -52,7 +52,7 @@ def _moe_ep2_to_ep4(prefix: str, root: str) -> dict[int, float]:
     losses = train(tiny_args(prefix, f"{root}/ep2", 4, "--exit-interval", "2", "--ep", "2",
                              ZERO1, "--moe-grouped-gemm", *flags))
     losses.update(train(tiny_args(prefix, f"{root}/ep4", 4, "--load", f"{root}/ep2", "--ep",
-                                  "4", *flags)))
+                                  "4", *ZERO3, *flags)))  # ZeRO-3 experts on 1-rank meshes
     return losses
 
 

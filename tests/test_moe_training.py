@@ -52,17 +52,27 @@ DEEPSEEK_FLAGS = ["--normalization", "RMSNorm", "--position-embedding-type", "ro
                   "--attention-dropout", "0"]
 
 
+# steps proportional to the gradients (Adam's barely depend on their scale): a wrong expert
+# reduction moves the curve
+SGD = ["--optimizer", "sgd", "--lr", "0.5", "--lr-decay-style", "constant", "--clip-grad", "0",
+       "--lr-warmup-iters", "0"]
+
+
 def test_deepseek_moe_loss_curve_cp2_ep2_equals_single_process(tmp_path):
     """DeepSeek-V3 routing (first 2 of 4 layers dense, sigmoid group-limited top-2, scaling,
     expert bias moved by 0.05 a step, so later steps route differently, sequence-wise aux
-    loss, grouped experts) at CP2 x DP2 x EP2 (4 ranks): the loss curve of one process."""
+    loss, grouped experts) at CP2 x DP2 x EP2 and at DP4 x EP4 ZeRO-3 (4 ranks): the loss curve
+    of one process."""
     prefix = make_dataset(str(tmp_path))
-    single = run_on_ranks(1, train, tiny_args(prefix, f"{tmp_path}/single", 3,
-                                              *DEEPSEEK_FLAGS))[0]
-    parallel = run_on_ranks(4, train, tiny_args(prefix, f"{tmp_path}/parallel", 3,
-                                                *DEEPSEEK_FLAGS, "--cp", "2", "--ep", "2"))[0]
-    assert sorted(single) == sorted(parallel) == [1, 2, 3]
-    for it in single:
-        assert rel_err(torch.tensor(parallel[it]), torch.tensor(single[it])) < 1e-5, \
-            (single, parallel)
-    print("DeepSeek MoE loss curve single vs CP2 x DP2 x EP2", single, parallel)
+    flags = [*DEEPSEEK_FLAGS, *SGD]
+    single = run_on_ranks(1, train, tiny_args(prefix, f"{tmp_path}/single", 3, *flags))[0]
+    for n, layout in enumerate((["--cp", "2", "--ep", "2"],
+                   # ZeRO-3 with one expert-DP rank: each expert's FSDP mesh has one rank
+                   ["--ep", "4", "--data-parallel-sharding-strategy", "optim_grads_params"])):
+        parallel = run_on_ranks(4, train, tiny_args(prefix, f"{tmp_path}/parallel{n}", 3,
+                                                    *flags, *layout))[0]
+        assert sorted(single) == sorted(parallel) == [1, 2, 3]
+        for it in single:
+            assert rel_err(torch.tensor(parallel[it]), torch.tensor(single[it])) < 1e-5, \
+                (layout, single, parallel)
+        print("DeepSeek MoE loss curve single vs", *layout, single, parallel)

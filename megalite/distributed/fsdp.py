@@ -112,7 +112,7 @@ def _mesh(group) -> DeviceMesh:
 def _units(module: nn.Module) -> list[tuple[nn.Module, bool]]:
     """(submodule, over expert-DP) to shard as units before the root, inner ones first: MoE
     local experts, transformer layers, and the first stage's embedding unless this chunk's
-    head reads it too. The output layer (read through `lm_logits`, not its forward) and a
+    head or its multi-token prediction reads it too (a unit runs one forward per step). The output layer (read through `lm_logits`, not its forward) and a
     tied copy stay in the root unit, gathered for the whole chunk."""
     units = []
     for sub in module.modules():
@@ -122,7 +122,8 @@ def _units(module: nn.Module) -> list[tuple[nn.Module, bool]]:
             units.append((sub, False))
     tied_here = getattr(module, "share_embeddings_and_output_weights", False) and \
         getattr(module, "post_process", False)
-    if getattr(module, "pre_process", False) and not tied_here:
+    read_twice = getattr(module, "mtp", None) is not None  # multi-token prediction embeds too
+    if getattr(module, "pre_process", False) and not tied_here and not read_twice:
         units.append((module.embedding, False))
     return units
 
@@ -155,7 +156,8 @@ def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
                     mp_policy=policy, offload_policy=offload)
         if expert:  # each expert's grad sums its whole EP group's tokens: mean over all DP,
             unit.set_gradient_divide_factor(float(dp_size))  # divided around a plain sum
-            unit.set_force_sum_reduction_for_comms(True)  # (gloo has no PREMUL_SUM)
+            # (gloo has no PREMUL_SUM); on a 1-rank mesh torch 2.13 would divide twice
+            unit.set_force_sum_reduction_for_comms(experts.size() > 1)
     fully_shard(chunk, mesh=dense, reshard_after_forward=reshard, mp_policy=policy,
                 offload_policy=offload)
     for name, param in chunk.named_parameters():
