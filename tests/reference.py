@@ -83,3 +83,23 @@ def hf_parity_errors(model, hf_model, to_hf_names, tokens: torch.Tensor, vocab: 
         ref_opt.zero_grad()
         errors["steps"].append(rel_err(*backward_both()))
     return errors
+
+
+def step_errors(got: dict, want: dict) -> dict:
+    """Relative loss error, worst relative grad error and the grads `want` lacks, of one
+    parallel step's {"loss", "grads"} against the reference's."""
+    return {"loss": abs(got["loss"] - want["loss"]) / abs(want["loss"]),
+            "grad": max(rel_err(g, want["grads"][n]) for n, g in got["grads"].items()),
+            "missing": sorted(set(got["grads"]) - set(want["grads"]))}
+
+
+def assert_step_errors(results: list[dict], tolerance: float = 1e-5) -> None:
+    """Every rank's {case: step_errors(...)} within `tolerance`, nothing missing; prints the
+    worst per case."""
+    for rank, per_rank in enumerate(results):
+        for name, e in per_rank.items():
+            assert not e["missing"] and e["loss"] < tolerance and e["grad"] < tolerance, \
+                (rank, name, e)
+    print({name: "loss {:.1e} grad {:.1e}".format(
+        max(r[name]["loss"] for r in results), max(r[name]["grad"] for r in results))
+        for name in results[0]})

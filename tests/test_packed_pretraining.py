@@ -17,7 +17,7 @@ from megalite.hf import gpt2_config, gpt2_to_megalite, llama_config, llama_to_me
 from megalite.hf import load_gpt2, load_llama
 from tests.multirank import run_on_ranks
 from tests.parallel_step import MICRO, MICROBATCHES, SEQ, VOCAB, parallel_step
-from tests.reference import rel_err, tiny_gpt2
+from tests.reference import assert_step_errors, step_errors, tiny_gpt2
 from tests.test_llama_hf_parity import tiny_llama
 
 EOD = 3
@@ -89,21 +89,12 @@ def _all() -> dict:
                                 load=lambda chunks: load(chunks, hf.state_dict(), config))
             rows = reference(hf, tokens[:dp * MICROBATCHES * MICRO], to_megalite) \
                 if dp != 4 else want
-            out[f"{model_name} {name}"] = {
-                "loss": abs(got["loss"] - rows["loss"]) / rows["loss"],
-                "grad": max(rel_err(g, rows["grads"][n]) for n, g in got["grads"].items()),
-                "missing": sorted(set(got["grads"]) - set(rows["grads"]))}
+            out[f"{model_name} {name}"] = step_errors(got, rows)
     return out
 
 
 def test_packed_documents_match_each_document_through_transformers():
-    results = run_on_ranks(4, _all)
-    for rank, per_rank in enumerate(results):
-        for name, e in per_rank.items():
-            assert not e["missing"] and e["loss"] < 1e-5 and e["grad"] < 1e-5, (rank, name, e)
-    print({name: "loss {:.1e} grad {:.1e}".format(
-        max(r[name]["loss"] for r in results), max(r[name]["grad"] for r in results))
-        for name in results[0]})
+    assert_step_errors(run_on_ranks(4, _all))
 
 
 def test_document_layout_restarts_positions_after_each_eod():

@@ -7,11 +7,12 @@ import torch
 from torch import nn
 
 from megalite.distributed.grad_buffer import Bucket, GradBuffer
+from megalite.distributed.wrapper import ChunkWrapper
 from megalite.models.stage import shared_embedding_params
 from megalite.mpu import comm, parallel_state
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(ChunkWrapper):
     """Wrap one model chunk: its grads accumulate into `param.main_grad` (fp32, one contiguous
     buffer per param dtype), averaged over the DP x CP group bucket by bucket.
 
@@ -70,17 +71,6 @@ class DistributedDataParallel(nn.Module):
         param.grad = None
         if self._sync and self.overlap_grad_reduce:
             self._bucket_of[param].grad_ready(param)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self.module, name)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

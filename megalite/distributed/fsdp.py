@@ -40,6 +40,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy,
 from torch.distributed.tensor import DTensor
 
 from megalite import device
+from megalite.distributed.wrapper import ChunkWrapper
 from megalite.models.transformer import ParallelTransformerLayer
 from megalite.moe.layer import MoELayer
 from megalite.mpu import comm, parallel_state
@@ -47,7 +48,7 @@ from megalite.mpu import comm, parallel_state
 FULLY_SHARDED = ("optim_grads", "optim_grads_params")
 
 
-class FullyShardedChunk(nn.Module):
+class FullyShardedChunk(ChunkWrapper):
     """One model chunk sharded by `shard_model`, with DistributedDataParallel's step interface
     (`no_sync`, `finish_grad_sync`, `zero_grad_buffer`); calls and unknown attributes go to
     the sharded module."""
@@ -59,17 +60,6 @@ class FullyShardedChunk(nn.Module):
         self.param_dtype = param_dtype  # gathered and computed in; the shards stay fp32
         self.data_parallel_group = data_parallel_group  # DP x CP: the grad statistics
         self.zero_grad_buffer()
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self.module, name)
 
     def _set_last_backward(self, last: bool) -> None:
         self.module.set_requires_gradient_sync(last)

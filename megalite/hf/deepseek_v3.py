@@ -17,7 +17,7 @@ modules: exporting drops megalite's `mtp.` weights, importing starts without the
 import torch
 
 from megalite.config import ModelConfig
-from megalite.hf.llama import _TOP_MAP, write_hf_dir
+from megalite.hf.llama import _TOP_MAP, top_level_to_megalite, write_hf_dir
 from megalite.hf.moe import deepseek_moe_block_state
 
 _LAYER_MAP = {  # megalite suffix -> transformers suffix (same layout)
@@ -243,13 +243,7 @@ def deepseek_v3_to_megalite(hf_state: dict[str, torch.Tensor], config: ModelConf
                             rope_interleave: bool = True) -> dict[str, torch.Tensor]:
     """Full megalite state dict from a DeepseekV3ForCausalLM state dict (its config's
     `rope_interleave`)."""
-    sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v
-          for k, v in hf_state.items()}
-    out = {ours: sd[theirs] for ours, theirs in _TOP_MAP.items() if theirs in sd}
-    if not config.untie_embeddings_and_output_weights:
-        out.pop("output_layer.weight", None)
-    elif "output_layer.weight" not in out:
-        raise KeyError("untied DeepSeek-V3 config but the state dict has no lm_head.weight")
+    sd, out = top_level_to_megalite(hf_state, config, "DeepSeek-V3")
     out.update(convert_layers(sd, config, to_hf=False, interleave=rope_interleave))
     return {k: v.contiguous() for k, v in out.items()}
 

@@ -136,16 +136,24 @@ def _qkv_from_megalite(state: dict[str, torch.Tensor], config: ModelConfig, pref
     return state[f"{prefix}query.{kind}"], k, v
 
 
-def llama_to_megalite(hf_state: dict[str, torch.Tensor], config: ModelConfig
-                      ) -> dict[str, torch.Tensor]:
-    """Full megalite state dict from a LlamaForCausalLM (or LlamaModel) state dict."""
+def top_level_to_megalite(hf_state: dict[str, torch.Tensor], config: ModelConfig,
+                          family: str) -> tuple[dict, dict]:
+    """(the state dict with "model." prefixes, megalite's embedding, final norm and head) of a
+    Llama-like `family` ForCausalLM (or its base model) state dict."""
     sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v
           for k, v in hf_state.items()}
     out = {ours: sd[theirs] for ours, theirs in _TOP_MAP.items() if theirs in sd}
     if not config.untie_embeddings_and_output_weights:
         out.pop("output_layer.weight", None)
     elif "output_layer.weight" not in out:
-        raise KeyError("untied Llama config but the state dict has no lm_head.weight")
+        raise KeyError(f"untied {family} config but the state dict has no lm_head.weight")
+    return sd, out
+
+
+def llama_to_megalite(hf_state: dict[str, torch.Tensor], config: ModelConfig
+                      ) -> dict[str, torch.Tensor]:
+    """Full megalite state dict from a LlamaForCausalLM (or LlamaModel) state dict."""
+    sd, out = top_level_to_megalite(hf_state, config, "Llama")
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"encoder.layers.{i}."
         out.update({dst + ours: sd[src + theirs] for ours, theirs in _LAYER_MAP.items()
