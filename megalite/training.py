@@ -41,10 +41,12 @@ from megalite.train_logger import TrainingLogger, log
 
 @dataclass
 class TrainResult:
-    """What a run leaves: this rank's model chunks and the mean loss of each iteration."""
+    """What a run leaves: this rank's model chunks, the mean loss and the global gradient norm
+    (before clipping) of each iteration."""
 
     model: list[torch.nn.Module]
     losses: dict[int, float]
+    grad_norms: dict[int, float | None]
 
 
 def log_pipeline(configs: Configs, layout: RunLayout) -> None:
@@ -339,7 +341,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
             task.finish(run)
     finally:
         logger.close()
-    return TrainResult(model, run.losses)
+    return TrainResult(model, run.losses, run.grad_norms)
 
 
 def _validate(run: Run) -> None:
@@ -368,7 +370,7 @@ def _train_loop(run: Run, train_batches: TimedIterator) -> None:
                 run.optimizer, layout, task.loss_key, signals)
             run.iteration += 1
             iteration = run.iteration
-            run.losses[iteration] = loss
+            run.losses[iteration], run.grad_norms[iteration] = loss, grad_norm
             run.consumed += layout.global_batch_size
             if stepped:  # a skipped (overflowing / non-finite) step does not advance the schedule
                 run.scheduler.step()

@@ -2,6 +2,7 @@
 DP 8, TP2 x DP4 with SP, TP2 x PP2 x DP2 (1F1B and interleaved), TP2 x CP2 x DP2, a MoE
 Llama-flag model at TP2 x DP4 x EP2; ZeRO-2 (optim_grads) at TP2 x PP2 x DP2;
 --optimizer-cpu-offload with ZeRO-1 and ZeRO-3; full and selective recompute. Each loss curve
+and global grad-norm curve (before clipping: every shard counted once over DP, TP, PP and EP)
 equals the single-process run on the same global batches (fp32, dropout off; summation order
 differs, so 1e-5 relative). Most layouts train with SGD at a large constant learning rate,
 whose steps scale with the gradients (Adam's barely do): a wrong DP mean, a missed TP or
@@ -25,7 +26,7 @@ import torch
 
 from megalite.config import parse_configs
 from megalite.layout import RunLayout
-from tests.gpt_run import make_dataset, tiny_args, train
+from tests.gpt_run import make_dataset, tiny_args, train, train_with_grad_norms
 from tests.multirank import run_on_ranks
 from tests.reference import rel_err
 from tests.test_moe_training import MOE_FLAGS
@@ -115,21 +116,24 @@ def _args(prefix: str, save: str, iters: int, *extra: str) -> list[str]:
     return tiny_args(prefix, save, iters, *NO_DROPOUT, *extra)
 
 
-def _single_curves(prefix: str, root: str) -> dict[str, dict[int, float]]:
-    """The single-process curves: 3 iterations of each reference, the SGD one resumed to 5."""
-    curves = {name: train(_args(prefix, f"{root}/single_{name}", 3, *flags))
+def _single_curves(prefix: str, root: str) -> dict:
+    """The single-process curves: (losses, grad norms) of 3 iterations of each reference, the
+    SGD losses resumed to 5."""
+    curves = {name: train_with_grad_norms(_args(prefix, f"{root}/single_{name}", 3, *flags))
               for name, flags in REFERENCES.items()}
-    curves["sgd"].update(train(_args(prefix, f"{root}/single_sgd_5", 5, "--load",
-                                     f"{root}/single_sgd", *SGD)))
+    curves["sgd"][0].update(train(_args(prefix, f"{root}/single_sgd_5", 5, "--load",
+                                        f"{root}/single_sgd", *SGD)))
     # a weights-only load (other optimizer settings): optimizer state and RNG start fresh
     curves["weights only"] = train(_args(prefix, f"{root}/single_weights", 4, "--load",
                                          f"{root}/single_sgd", *SGD, "--use-distributed-optimizer"))
     return curves
 
 
-def _parallel_curves(prefix: str, root: str) -> dict[str, dict[int, float]]:
-    """Every layout's curve, then the checkpoint runs (see the module docstring)."""
-    curves = {name: train(_args(prefix, f"{root}/{name}", 3, *REFERENCES[ref], *flags))
+def _parallel_curves(prefix: str, root: str) -> dict:
+    """Every layout's (losses, grad norms), then the checkpoint runs' losses (see the module
+    docstring)."""
+    curves = {name: train_with_grad_norms(_args(prefix, f"{root}/{name}", 3, *REFERENCES[ref],
+                                                *flags))
               for name, (ref, flags) in LAYOUTS.items()}
     resumed = f"{root}/zero3 tp2 pp2 dp2 1f1b"
     curves["resumed"] = train(_args(prefix, resumed, 5, "--load", resumed,
@@ -149,15 +153,16 @@ def curves(tmp_path_factory) -> tuple[dict, dict]:
 
 
 def test_sharded_loss_curves_on_8_ranks_equal_single_process(curves):
+    """The loss curve and the global grad-norm curve (before clipping) of every layout."""
     single, parallel = curves
-    errors = {name: max(rel_err(torch.tensor(parallel[name][it]), torch.tensor(single[ref][it]))
-                        for it in (1, 2, 3))
-              for name, (ref, _) in LAYOUTS.items()}
-    print("relative error of each loss curve vs single process:", errors)
-    for name, error in errors.items():
-        assert error < (2e-2 if name.startswith("bf16") else 1e-5), (name, single, parallel)
+    errors = {(name, kind): max(rel_err(torch.tensor(parallel[name][kind][it]),
+                                        torch.tensor(single[ref][kind][it])) for it in (1, 2, 3))
+              for name, (ref, _) in LAYOUTS.items() for kind in (0, 1)}
+    print("relative error of each loss (0) and grad-norm (1) curve vs single process:", errors)
+    for (name, kind), error in errors.items():
+        assert error < (2e-2 if name.startswith("bf16") else 1e-5), (name, kind, single, parallel)
     resumed = {it: parallel["resumed"][it] for it in (4, 5)}
-    assert max(rel_err(torch.tensor(v), torch.tensor(single["sgd"][it]))
+    assert max(rel_err(torch.tensor(v), torch.tensor(single["sgd"][0][it]))
                for it, v in resumed.items()) < 1e-5, (resumed, single["sgd"])
     assert sorted(parallel["from single"]) == [4]
     assert rel_err(torch.tensor(parallel["from single"][4]),

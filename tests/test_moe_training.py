@@ -8,7 +8,7 @@ stays within 2e-2 of the fp32 one (bf16 keeps 8 bits of mantissa: ~4e-3 per roun
 import pytest
 import torch
 
-from tests.gpt_run import make_dataset, tiny_args, train
+from tests.gpt_run import make_dataset, tiny_args, train, train_with_grad_norms
 from tests.multirank import run_on_ranks
 from tests.reference import rel_err
 
@@ -61,18 +61,23 @@ SGD = ["--optimizer", "sgd", "--lr", "0.5", "--lr-decay-style", "constant", "--c
 def test_deepseek_moe_loss_curve_cp2_ep2_equals_single_process(tmp_path):
     """DeepSeek-V3 routing (first 2 of 4 layers dense, sigmoid group-limited top-2, scaling,
     expert bias moved by 0.05 a step, so later steps route differently, sequence-wise aux
-    loss, grouped experts) at CP2 x DP2 x EP2 and at DP4 x EP4 ZeRO-3 (4 ranks): the loss curve
-    of one process."""
+    loss, grouped experts) at CP2 x DP2 x EP2 and at DP4 x EP4 ZeRO-3 (4 ranks): the loss and
+    global gradient-norm curves of one process. The norms catch a wrong expert reduction that
+    barely moves the loss (experts' grads 1/4 too small at DP4 x EP4 ZeRO-3 change the third
+    loss by 3e-6 but the first norm by 1e-3)."""
     prefix = make_dataset(str(tmp_path))
     flags = [*DEEPSEEK_FLAGS, *SGD]
-    single = run_on_ranks(1, train, tiny_args(prefix, f"{tmp_path}/single", 3, *flags))[0]
+    single = run_on_ranks(1, train_with_grad_norms,
+                          tiny_args(prefix, f"{tmp_path}/single", 3, *flags))[0]
     for n, layout in enumerate((["--cp", "2", "--ep", "2"],
                    # ZeRO-3 with one expert-DP rank: each expert's FSDP mesh has one rank
                    ["--ep", "4", "--data-parallel-sharding-strategy", "optim_grads_params"])):
-        parallel = run_on_ranks(4, train, tiny_args(prefix, f"{tmp_path}/parallel{n}", 3,
-                                                    *flags, *layout))[0]
-        assert sorted(single) == sorted(parallel) == [1, 2, 3]
-        for it in single:
-            assert rel_err(torch.tensor(parallel[it]), torch.tensor(single[it])) < 1e-5, \
-                (layout, single, parallel)
-        print("DeepSeek MoE loss curve single vs", *layout, single, parallel)
+        parallel = run_on_ranks(4, train_with_grad_norms,
+                                tiny_args(prefix, f"{tmp_path}/parallel{n}", 3, *flags,
+                                          *layout))[0]
+        for want, got in zip(single, parallel):
+            assert sorted(want) == sorted(got) == [1, 2, 3]
+            for it in want:
+                assert rel_err(torch.tensor(got[it]), torch.tensor(want[it])) < 1e-5, \
+                    (layout, single, parallel)
+        print("DeepSeek MoE loss and grad-norm curves single vs", *layout, single, parallel)
