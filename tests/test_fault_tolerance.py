@@ -35,22 +35,27 @@ def _with_faults(spec: str, argv: list[str]) -> tuple[dict, str | None]:
         del os.environ["MEGALITE_FAULT"]
 
 
-def _nan_runs(prefix: str, root: str) -> tuple:
+def _nan_runs(prefix: str, root: str, layout: list[str]) -> tuple:
     """A clean run stopped after 2 steps, the same with a 3rd step whose loss is NaN on rank 3 only
     (last stage, DP rank 1), and a run stopped by two NaN steps in a row."""
-    clean = train(tiny_args(prefix, f"{root}/clean", 3, *PP2_DP2, *CONSTANT_LR,
+    clean = train(tiny_args(prefix, f"{root}/clean", 3, *layout, *CONSTANT_LR,
                             "--exit-interval", "2"))
-    skipped, _ = _with_faults("nan_loss@3:3", tiny_args(prefix, f"{root}/skip", 3, *PP2_DP2,
+    skipped, _ = _with_faults("nan_loss@3:3", tiny_args(prefix, f"{root}/skip", 3, *layout,
                                                         *CONSTANT_LR))
     _, error = _with_faults("nan_loss@2:3,nan_loss@3:3", tiny_args(
-        prefix, f"{root}/stop", 4, *PP2_DP2, *CONSTANT_LR, "--save-interval", "1",
+        prefix, f"{root}/stop", 4, *layout, *CONSTANT_LR, "--save-interval", "1",
         "--max-skipped-steps", "2"))
     return clean, skipped, error
 
 
-def test_nan_loss_on_one_rank_skips_the_step_everywhere_and_stops_after_the_limit(tmp_path):
+@pytest.mark.parametrize("layout", [PP2_DP2, PP2_DP2 + [
+    "--data-parallel-sharding-strategy", "optim_grads_params"]], ids=["ddp", "zero3"])
+def test_nan_loss_on_one_rank_skips_the_step_everywhere_and_stops_after_the_limit(tmp_path,
+                                                                                  layout):
+    """Under DDP and under ZeRO-3 (FSDP2: the NaN reaches every rank's shards through the
+    reduce-scatter; the skip leaves the sharded weights untouched)."""
     prefix = make_dataset(str(tmp_path))
-    clean, skipped, error = run_on_ranks(4, _nan_runs, prefix, str(tmp_path))[0]
+    clean, skipped, error = run_on_ranks(4, _nan_runs, prefix, str(tmp_path), layout)[0]
     assert [skipped[i] for i in (1, 2)] == [clean[i] for i in (1, 2)]
     assert skipped[3] != skipped[3]  # NaN, seen on rank 0 too (agreed over PP and DP)
     # the NaN step was never applied: the checkpoint written after it holds the weights of
