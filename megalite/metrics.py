@@ -15,12 +15,18 @@ def flops_per_iteration(config: ModelConfig, global_batch: int, seq_length: int,
     3 x forward (4 x for the layers with full recompute); MoE layers count the active
     weights (router, k experts, shared expert). For GPT-2 shapes this is
     72 B s L h^2 (1 + s/(6h) + V/(12 L h)), and 96 B s L h^2 (1 + s/(6h) + V/(16 L h)).
+    Each multi-token prediction depth adds 3 x (its layer, eh_proj [h, 2h] and the output
+    layer) (not recomputed).
     """
     spec = TransformerSpec.from_config(config)
     layer_passes = 4 if config.recompute_granularity == "full" else 3
+    h = config.hidden_size
+    mtp = sum(spec.layer_forward_flops(seq_length, layer) + 2 * 2 * h * h
+              for layer in spec.mtp_layers(config.num_layers))
     per_token = (layer_passes * sum(spec.layer_forward_flops(seq_length, layer)
                                     for layer in range(config.num_layers))
-                 + 3 * spec.output_forward_flops(padded_vocab))
+                 + 3 * (1 + spec.mtp_num_layers) * spec.output_forward_flops(padded_vocab)
+                 + 3 * mtp)
     return global_batch * seq_length * per_token
 
 

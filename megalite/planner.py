@@ -46,9 +46,12 @@ def layer_params(model: ModelConfig, tp: int) -> int:
 
 
 def _stage_layers(model: ModelConfig, pp: int, rank: int, vpp: int) -> list[int]:
-    """Global indices of the layers on pipeline rank `rank` (all its chunks)."""
+    """Global indices of the layers on pipeline rank `rank` (all its chunks), the last rank's
+    multi-token prediction layers (numbered after the main stack) included."""
+    mtp = TransformerSpec.from_config(model).mtp_layers(model.num_layers)
     return [layer for chunk in range(vpp)
-            for layer in range(*pipeline_layer_range(model.num_layers, pp, rank, vpp, chunk))]
+            for layer in range(*pipeline_layer_range(model.num_layers, pp, rank, vpp, chunk))
+            ] + (list(mtp) if rank == pp - 1 else [])
 
 
 def stage_expert_params(model: ModelConfig, tp: int, pp: int, rank: int, vpp: int = 1,
@@ -61,17 +64,18 @@ def stage_expert_params(model: ModelConfig, tp: int, pp: int, rank: int, vpp: in
 def _end_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int
                 ) -> dict[str, int]:
     """Parameters outside the layers on pipeline rank `rank`: the word (and learned position)
-    embeddings on the first rank, the final norm and the output layer on the last (the tied
-    word-embedding copy only when p > 1)."""
+    embeddings on the first rank; the final norm, the output layer, the multi-token
+    prediction blocks' norms and projections on the last, with a copy of the word embedding
+    when p > 1 and the head is tied or multi-token prediction embeds there."""
     spec, h = TransformerSpec.from_config(model), model.hidden_size
     word, out = padded_vocab * h // tp, {}
     if rank == 0:
         out["embedding"] = word + (model.max_position_embeddings * h
                                    if spec.position_embedding == "learned_absolute" else 0)
     if rank == pp - 1:
-        out["norm"] = spec.norm_params(h)
-        if pp > 1 or not spec.tie_output:
-            out["output"] = word
+        out["norm"] = spec.norm_params(h) + spec.mtp_extra_params()
+        out["output"] = (0 if spec.tie_output else word) + (
+            word if pp > 1 and (spec.tie_output or spec.mtp_num_layers) else 0)
     return out
 
 
@@ -94,9 +98,10 @@ def fsdp_units(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: in
                vpp: int = 1, ep: int = 1) -> tuple[int, list[int]]:
     """(root, units): parameters of the FSDP units on pipeline rank `rank`, as
     megalite.distributed.fsdp wraps them - each layer (an MoE layer's experts a unit of their
-    own) and the embedding - and of the root, what is left: the final norm, the output
-    layer (read through `lm_logits`, not its forward), and the embedding too when one chunk
-    holds it and its tied head."""
+    own, the multi-token prediction layers too) and the embedding - and of the root, what is
+    left: the final norm, the output layer (read through `lm_logits`, not its forward), a
+    word-embedding copy, the multi-token prediction norms and projections, and the embedding
+    too when one chunk holds it and its tied head or multi-token prediction."""
     spec = TransformerSpec.from_config(model)
     units = []
     for layer in _stage_layers(model, pp, rank, vpp):
@@ -104,7 +109,7 @@ def fsdp_units(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: in
         units += [spec.layer_params(tp, layer, ep) - experts] + ([experts] if experts else [])
     ends = _end_params(model, padded_vocab, tp, pp, rank)
     root = ends.pop("norm", 0) + ends.pop("output", 0)
-    if pp == 1 and spec.tie_output:
+    if pp == 1 and (spec.tie_output or spec.mtp_num_layers):
         root += ends.pop("embedding")
     return root, units + list(ends.values())
 
@@ -217,7 +222,8 @@ class Plan:
     def total_params(self) -> int:
         model = self.configs.model
         spec = TransformerSpec.from_config(model)
-        return (sum(spec.layer_params(1, layer) for layer in range(model.num_layers))
+        layers = range(model.num_layers + spec.mtp_num_layers)  # multi-token prediction's too
+        return (sum(spec.layer_params(1, layer) for layer in layers)
                 + spec.non_layer_params(self.padded_vocab, model.max_position_embeddings))
 
     @property

@@ -5,6 +5,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import torch
 
 from megalite import planner
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig, OptimizerConfig,
@@ -210,6 +211,48 @@ def test_llama_stage_params_and_total_equal_a_real_model():
         stages.append(sum(q.numel() for q in model.parameters()))
         assert planner.stage_params(c.model, padded, 1, 2, rank) == stages[-1]
     assert planner.plan(c).total_params == sum(stages)
+
+
+def deepseek_v3(mtp: int) -> Configs:
+    """The test_plan shape with DeepSeek-V3's parts: MLA (q and kv compressed), 2 dense then 2
+    MoE layers (8 experts, top-2, shared expert; looped: the grouped form's padding rows would
+    count as FLOPs), untied head, `mtp` prediction depths."""
+    from megalite.config import parse_configs
+    from tests.test_moe_training import DEEPSEEK_FLAGS
+    return parse_configs([
+        *(f for f in DEEPSEEK_FLAGS if f != "--moe-grouped-gemm"), "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads",
+        "4", "--vocab-size", "1000", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--micro-batch-size", "2", "--multi-latent-attention", "--q-lora-rank", "24",
+        "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+        "--v-head-dim", "8", "--untie-embeddings-and-output-weights",
+        *(["--mtp-num-layers", str(mtp)] if mtp else [])])
+
+
+def test_deepseek_v3_with_mtp_stage_params_total_and_flops_equal_a_real_model():
+    """Multi-token prediction (2 depths: each a layer of the last layer's kind, 3 norms and
+    eh_proj [h, 2h]) sits on the last stage, which under PP 2 also keeps a copy of the word
+    embedding: the planner's stage counts equal a real model's at PP 1 and 2, the total is the
+    PP 1 model's, and the FLOPs the prediction depths add are those counted by
+    torch.utils.flop_counter in a forward (x 3 for forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    c = deepseek_v3(mtp=2)
+    whole = GPTModel(c.model, device="meta")
+    assert planner.stage_params(c.model, 1024, 1, 1, 0) == \
+        sum(q.numel() for q in whole.parameters()) == planner.plan(c).total_params
+    for rank, (pre, post, layers) in enumerate([(True, False, (0, 2)), (False, True, (2, 4))]):
+        stage = GPTModel(c.model, pre, post, layer_range=layers, device="meta")
+        assert planner.stage_params(c.model, 1024, 1, 2, rank) == \
+            sum(q.numel() for q in stage.parameters()), rank
+    tokens = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    counted = {}
+    for mtp in (0, 2):
+        model = GPTModel(deepseek_v3(mtp).model)
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(tokens, labels=tokens)
+        counted[mtp] = counter.get_total_flops()
+    added = flops_per_iteration(c.model, 2, 32, 1024) - \
+        flops_per_iteration(deepseek_v3(0).model, 2, 32, 1024)
+    assert added == 3 * (counted[2] - counted[0]), (added, counted)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])

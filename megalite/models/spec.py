@@ -247,6 +247,16 @@ class TransformerSpec:
     def norm_params(self, h: int) -> int:
         return 2 * h if self.normalization == "LayerNorm" else h
 
+    def mtp_layers(self, num_layers: int) -> range:
+        """Global numbers of the multi-token prediction blocks' layers (after the main stack)."""
+        return range(num_layers, num_layers + self.mtp_num_layers)
+
+    def mtp_extra_params(self) -> int:
+        """Multi-token prediction parameters outside its layers (whole on every TP rank): each
+        depth's enorm, hnorm, final norm and eh_proj [h, 2h]."""
+        h = self.attention.hidden_size
+        return self.mtp_num_layers * (3 * self.norm_params(h) + 2 * h * h)
+
     def layer_forward_flops(self, seq_length: int, layer: int | None = None) -> float:
         """Forward FLOPs per token of one layer: 2 per matmul weight a token goes through,
         plus attention scores and values 4 s heads d (full s, as Megatron counts)."""
@@ -261,10 +271,12 @@ class TransformerSpec:
         return 2 * self.attention.hidden_size * padded_vocab
 
     def non_layer_params(self, padded_vocab: int, max_positions: int) -> int:
-        """Word embedding, learned positions, final norm and an untied output layer (whole)."""
+        """Word embedding, learned positions, final norm, an untied output layer and the
+        multi-token prediction blocks outside their layers (whole)."""
         h = self.attention.hidden_size
         return (padded_vocab * h * (1 if self.tie_output else 2) + self.norm_params(h)
-                + (max_positions * h if self.position_embedding == "learned_absolute" else 0))
+                + (max_positions * h if self.position_embedding == "learned_absolute" else 0)
+                + self.mtp_extra_params())
 
 
 def layer_index(name: str) -> int | None:
