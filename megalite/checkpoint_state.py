@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from megalite.checkpoint_shards import ShardReader, ShardWriter
 from megalite.distributed.fsdp import fsdp_shard_start
 from megalite.checkpoint_slices import (box_slices, box_view, even_range, expert_placement,
                                         flat_boxes, global_shape, to_global, writes_param)
-from megalite.models.sharding import full_names, persistent_buffers, unwrap
+from megalite.models.sharding import full_names, is_dtensor, persistent_buffers, unwrap
 from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer.distrib_optimizer import DistributedOptimizer
@@ -85,7 +84,7 @@ def local_values(param: nn.Parameter) -> tuple[torch.Tensor, int]:
     """(this rank's values of the TP-local `param`, flattened; where they start in it): the
     whole of it, or under FSDP (a DTensor sharded on dim 0 over DP) its local chunk of rows
     and the chunk's flat start. Everything below works on flat ranges."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         return param.detach().to_local().view(-1), fsdp_shard_start(param, flat=True)
     return param.detach().view(-1), 0
 

@@ -32,3 +32,12 @@ def device() -> torch.device:
 def _rank_pools():
     yield
     close_pools()
+
+
+@pytest.fixture(scope="session")
+def smollm2_state(tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct converted by megalite.hf once per session (dequantising the GGUF
+    takes ~9 s): the state file of tests/smollm2.write_megalite_state."""
+    from megalite.hf import smollm2_gguf_path
+    from tests.smollm2 import write_megalite_state
+    return write_megalite_state(smollm2_gguf_path(), str(tmp_path_factory.mktemp("smollm2")))

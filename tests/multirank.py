@@ -8,12 +8,14 @@ the CPU with gloo (megalite.rank_pool); on GPUs its workers compute in IEEE fp32
 off) with deterministic kernels, as the parity and bitwise tests need.
 
 A process group that outlives its task keeps threads in every worker (gloo: three) and
-slows every later task on the 2 cores, so a pool whose workers hold more than
-EXTRA_WORKER_THREADS threads beyond their count at start after a task is replaced by a
-fresh one (a safety net: the groups of a layout are destroyed when the next is initialised
-or the task ends, and DDP's grad hooks do not keep the model alive, so no test is known to
-leave one behind).
+slows every later task on the 2 cores. The groups of a layout are destroyed when the next is
+initialised or the task ends, but a fully sharded (FSDP2) model is freed only by the
+garbage collector (reference cycles), and its groups' threads with it: a pool whose workers
+hold more than EXTRA_WORKER_THREADS threads beyond their count at start after a task
+collects garbage (0.25 s), and is replaced by a fresh one only if that does not bring them
+back under.
 """
+import gc
 import os
 import threading
 
@@ -33,6 +35,11 @@ def thread_count() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return threading.active_count()
+
+
+def _collected_thread_count() -> int:
+    gc.collect()
+    return thread_count()
 
 
 def _prepare_worker() -> int:
@@ -62,7 +69,9 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = TASK_TIMEOUT_S, **
         try:
             pool, threads_at_start = _pool(world_size)
             results = pool.run(fn, *args, timeout=timeout, **kwargs)
-            if max(pool.run(thread_count)) > threads_at_start + EXTRA_WORKER_THREADS:
+            limit = threads_at_start + EXTRA_WORKER_THREADS
+            if max(pool.run(thread_count)) > limit and \
+                    max(pool.run(_collected_thread_count)) > limit:
                 _POOLS.pop(world_size)[0].close()
             return results
         except BaseException as error:

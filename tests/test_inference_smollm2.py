@@ -14,8 +14,7 @@ from megalite.inference import SamplingParams, generate
 from megalite.inference.loading import build_inference_model
 from megalite.mpu import initialize_model_parallel
 from tests.multirank import run_on_ranks
-from tests.smollm2 import PROMPTS, cached_reference, read_megalite_state, \
-    write_megalite_state
+from tests.smollm2 import PROMPTS, cached_reference, read_megalite_state
 
 NEW = 16
 
@@ -51,11 +50,9 @@ def _tp1_and_tp3(state_path: str, reference: dict) -> dict:
     return {"tp1": _generate(state_path, reference, 1), "tp3": _generate(state_path, reference, 3)}
 
 
-def test_smollm2_greedy_is_token_identical_to_transformers(tmp_path):
-    path = smollm2_gguf_path()
-    reference = _reference(path)
-    state_path = write_megalite_state(path, str(tmp_path))
-    results = run_on_ranks(3, _tp1_and_tp3, state_path, reference, timeout=600)
+def test_smollm2_greedy_is_token_identical_to_transformers(smollm2_state):
+    reference = _reference(smollm2_gguf_path())
+    results = run_on_ranks(3, _tp1_and_tp3, smollm2_state, reference, timeout=600)
     assert results[0]["tp1"] == reference["new"]
     for rank, per_layout in enumerate(results):
         assert per_layout["tp3"] == reference["new"], rank

@@ -27,23 +27,26 @@ optimizer read grads as they do under DistributedDataParallel: TP ranks and the 
 embedding copies hold equal-shaped tensors split over equal-sized DP groups, so their local
 DP shards cover the same elements.
 """
+from __future__ import annotations
+
 import contextlib
 import math
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy,
-                                    OffloadPolicy, fully_shard)
-from torch.distributed.tensor import DTensor
 
 from megalite import device
 from megalite.distributed.wrapper import ChunkWrapper
 from megalite.models.transformer import ParallelTransformerLayer
 from megalite.moe.layer import MoELayer
 from megalite.mpu import comm, parallel_state
+
+if TYPE_CHECKING:  # imported where used: torch.distributed.tensor costs 0.7 s at start-up
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 FULLY_SHARDED = ("optim_grads", "optim_grads_params")
 
@@ -95,6 +98,7 @@ def _mesh(group) -> DeviceMesh:
     """A 1-D mesh over `group`. Named after the group: meshes over the same ranks compare
     equal, and DTensor's sharding caches would hand a later layout a mesh (and so a group)
     of an earlier one, already destroyed."""
+    from torch.distributed.device_mesh import DeviceMesh
     return DeviceMesh.from_group(group, device.device_type(),
                                  mesh_dim_names=(f"group_{group.group_name}",))
 
@@ -127,6 +131,8 @@ def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
     expert) are kept on them."""
     if strategy not in FULLY_SHARDED:
         raise ValueError(f"shard_model: strategy {strategy!r} is not one of {FULLY_SHARDED}")
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                        fully_shard)
     # the chunk's per-token loss is a transposed view; nothing changes it in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     zero3 = strategy == "optim_grads_params"

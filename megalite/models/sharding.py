@@ -6,10 +6,11 @@ It is the pivot for Hugging Face import/export and for checkpoint resharding. St
 expert weights (`expert_keys`, megalite.moe.experts) appear as one entry per expert, under
 the names looped experts have; persistent buffers (the routers' expert bias) are entries too.
 """
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from megalite.mpu import comm, parallel_state
 from megalite.mpu.layers import gather_tensor_parallel, shard_tensor_parallel
@@ -20,17 +21,26 @@ def unwrap(chunk: nn.Module) -> nn.Module:
     return getattr(chunk, "module", chunk)
 
 
+def is_dtensor(value) -> bool:
+    """Whether `value` is a DTensor (a fully sharded parameter, megalite.distributed.fsdp),
+    without importing torch.distributed.tensor (0.7 s of every start-up) where nothing has:
+    no DTensor exists then."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 def gather_data_parallel(param: torch.Tensor) -> torch.Tensor:
     """The TP-local tensor of `param`: all-gathered over its DP group when fully sharded (a
     DTensor, megalite.distributed.fsdp), else `param` itself."""
-    return param.full_tensor() if isinstance(param, DTensor) else param
+    return param.full_tensor() if is_dtensor(param) else param
 
 
 @torch.no_grad()
 def copy_tp_local(param: torch.Tensor, value: torch.Tensor) -> None:
     """Fill `param` with the TP-local tensor `value` (when fully sharded: this rank's DP shard
     of it; no communication)."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
         value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh,
                                   param.placements, src_data_rank=None)
     param.copy_(value)
@@ -38,12 +48,12 @@ def copy_tp_local(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
     """This rank's part of `param`: the local DP shard when fully sharded, else `param`."""
-    return param.to_local() if isinstance(param, DTensor) else param
+    return param.to_local() if is_dtensor(param) else param
 
 
 def is_fully_sharded(chunk: nn.Module) -> bool:
     """Whether the chunk's parameters are DP-sharded DTensors (megalite.distributed.fsdp)."""
-    return any(isinstance(p, DTensor) for p in chunk.parameters())
+    return any(is_dtensor(p) for p in chunk.parameters())
 
 
 def params_dtype(chunk: nn.Module) -> torch.dtype:
