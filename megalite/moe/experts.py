@@ -68,10 +68,26 @@ class GroupedExperts(nn.Module):
         slot = torch.arange(rows.shape[0], device=dev) + torch.repeat_interleave(
             shift, sizes, output_size=rows.shape[0])  # row i of expert e -> e * busiest + i
         blocks = rows.new_zeros(experts * busiest, hidden_size).index_copy(0, slot, rows)
-        hidden = torch.bmm(blocks.view(experts, busiest, hidden_size),
-                           self.weight1.transpose(1, 2))
-        out = torch.bmm(self.activate(hidden), self.weight2.transpose(1, 2))
+        hidden = _BatchedLinear.apply(blocks.view(experts, busiest, hidden_size), self.weight1)
+        out = _BatchedLinear.apply(self.activate(hidden), self.weight2)
         return out.reshape(experts * busiest, hidden_size).index_select(0, slot)
+
+
+class _BatchedLinear(torch.autograd.Function):
+    """x [E, n, in], weight [E, out, in] -> [E, n, out]; the weight grad is computed in the
+    weight's own layout (autograd's, the transpose of x^T g, would be copied into it by
+    AccumulateGrad: 10% of a CPU MoE step)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return torch.bmm(x, weight.transpose(1, 2))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return torch.bmm(grad, weight), torch.bmm(grad.transpose(1, 2), x)
 
 
 class _GroupedLinear(torch.autograd.Function):
