@@ -73,9 +73,11 @@ def _end_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: i
         out["embedding"] = word + (model.max_position_embeddings * h
                                    if spec.position_embedding == "learned_absolute" else 0)
     if rank == pp - 1:
-        out["norm"] = spec.norm_params(h) + spec.mtp_extra_params()
-        out["output"] = (0 if spec.tie_output else word) + (
-            word if pp > 1 and (spec.tie_output or spec.mtp_num_layers) else 0)
+        out["norm"] = spec.norm_params(h)
+        out["output"] = 0 if spec.tie_output else word
+        out["embedding copy"] = word if pp > 1 and (spec.tie_output or spec.mtp_num_layers) \
+            else 0
+        out["mtp"] = spec.mtp_extra_params()
     return out
 
 
@@ -108,7 +110,7 @@ def fsdp_units(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: in
         experts = spec.expert_params(tp, layer, ep)
         units += [spec.layer_params(tp, layer, ep) - experts] + ([experts] if experts else [])
     ends = _end_params(model, padded_vocab, tp, pp, rank)
-    root = ends.pop("norm", 0) + ends.pop("output", 0)
+    root = sum(ends.pop(key, 0) for key in ("norm", "output", "embedding copy", "mtp"))
     if pp == 1 and (spec.tie_output or spec.mtp_num_layers):
         root += ends.pop("embedding")
     return root, units + list(ends.values())

@@ -88,7 +88,7 @@ class Run:
     iteration: int = 0
     consumed: int = 0  # training samples over all DP ranks
     losses: dict[int, float] = field(default_factory=dict)
-    grad_norms: dict[int, float | None] = field(default_factory=dict)  # before clipping; None: skipped
+    grad_norms: dict[int, float | None] = field(default_factory=dict)  # None: step skipped
     saved_at: int | None = None
     pending_save: Any = None  # checkpointing.PendingSave of an --async-save in flight
 

@@ -220,11 +220,12 @@ def deepseek_v3(mtp: int) -> Configs:
     from megalite.config import parse_configs
     from tests.test_moe_training import DEEPSEEK_FLAGS
     return parse_configs([
-        *(f for f in DEEPSEEK_FLAGS if f != "--moe-grouped-gemm"), "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads",
-        "4", "--vocab-size", "1000", "--seq-length", "32", "--max-position-embeddings", "32",
-        "--micro-batch-size", "2", "--multi-latent-attention", "--q-lora-rank", "24",
-        "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
-        "--v-head-dim", "8", "--untie-embeddings-and-output-weights",
+        *(f for f in DEEPSEEK_FLAGS if f != "--moe-grouped-gemm"), "--num-layers", "4",
+        "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "1000",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16",
+        "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8",
+        "--untie-embeddings-and-output-weights",
         *(["--mtp-num-layers", str(mtp)] if mtp else [])])
 
 

@@ -106,8 +106,9 @@ def _mesh(group) -> DeviceMesh:
 def _units(module: nn.Module) -> list[tuple[nn.Module, bool]]:
     """(submodule, over expert-DP) to shard as units before the root, inner ones first: MoE
     local experts, transformer layers, and the first stage's embedding unless this chunk's
-    head or its multi-token prediction reads it too (a unit runs one forward per step). The output layer (read through `lm_logits`, not its forward) and a
-    tied copy stay in the root unit, gathered for the whole chunk."""
+    head or its multi-token prediction reads it too (a unit runs one forward per step). The
+    output layer (read through `lm_logits`, not its forward) and a tied copy stay in the root
+    unit, gathered for the whole chunk."""
     units = []
     for sub in module.modules():
         if isinstance(sub, ParallelTransformerLayer):

@@ -26,14 +26,14 @@ def from_pretrained(cls, src: str):
     return hf
 
 
-def read_gpt(src: str, log: Callable[[str], None] = print) -> tuple[ModelConfig, State]:
+def read_gpt(src: str) -> tuple[ModelConfig, State]:
     from transformers import GPT2LMHeadModel
     hf = from_pretrained(GPT2LMHeadModel, src)
     config = gpt2.gpt2_config(hf.config)
     return config, gpt2.gpt2_to_megalite(hf.state_dict(), config)
 
 
-def read_bert(src: str, log: Callable[[str], None] = print) -> tuple[ModelConfig, State]:
+def read_bert(src: str) -> tuple[ModelConfig, State]:
     """Every weight of the directory must map (a pretraining head, e.g., would be lost)."""
     hf_config, state = bert.read_bert_dir(src)
     config = bert.bert_config(hf_config)
@@ -60,7 +60,7 @@ def read_llama(src: str, log: Callable[[str], None] = print) -> tuple[ModelConfi
     return config, llama.llama_to_megalite(state, config)
 
 
-def read_moe(src: str, log: Callable[[str], None] = print) -> tuple[ModelConfig, State]:
+def read_moe(src: str) -> tuple[ModelConfig, State]:
     """A transformers MixtralForCausalLM or Qwen2MoeForCausalLM directory."""
     from transformers import AutoModelForCausalLM
     hf = from_pretrained(AutoModelForCausalLM, src)
@@ -68,8 +68,7 @@ def read_moe(src: str, log: Callable[[str], None] = print) -> tuple[ModelConfig,
     return config, moe.moe_to_megalite(hf.state_dict(), config)
 
 
-def read_deepseek_v3(src: str, log: Callable[[str], None] = print
-                     ) -> tuple[ModelConfig, State]:
+def read_deepseek_v3(src: str) -> tuple[ModelConfig, State]:
     """A transformers DeepseekV3ForCausalLM directory (either RoPE layout)."""
     from transformers import DeepseekV3ForCausalLM
     hf = from_pretrained(DeepseekV3ForCausalLM, src)
@@ -83,8 +82,8 @@ READERS = {"gpt": read_gpt, "bert": read_bert, "llama": read_llama, "mixtral": r
 CAUSAL = tuple(family for family in READERS if family != "bert")  # what generation loads
 
 
-def read_source(src: str, flag: str, families: tuple[str, ...] = tuple(READERS),
-                log: Callable[[str], None] = print) -> tuple[ModelConfig, State]:
+def read_source(src: str, flag: str, families: tuple[str, ...] = tuple(READERS)
+                ) -> tuple[ModelConfig, State]:
     """Config and full megalite weights of a transformers directory or .gguf file of one of
     `families`; ValueError naming `flag` and `src` otherwise."""
-    return READERS[family_of_source(src, flag, families)](src, log)
+    return READERS[family_of_source(src, flag, families)](src)
