@@ -36,23 +36,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megalite import checkpointing, device
+from megalite import checkpoint, device
 from megalite.config import Configs, default_checkpoint_dirs, parse_configs
 from megalite.data.finetune import encode_pairs, load_tokenizer
 from megalite.data.finetune_sources import pad_to_multiple, read_examples
 from megalite.data.samplers import EpochSampler, PretrainingSampler, row_batches
 from megalite.hf.bert import bert_config, load_bert, read_bert_dir, save_bert_dir
 from megalite.layout import RunLayout, global_batch_size
-from megalite.metrics import flops_per_iteration
 from megalite.models.bert import BertModel
 from megalite.models.sharding import (full_state_dict, gather_pipeline_state_dict,
                                       load_full_state_dict)
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.parallel_state import GridLayout
-from megalite.resilience import NonFiniteError
-from megalite.task import Run, Task
-from megalite.train_logger import log
+from megalite.planning.flops import flops_per_iteration
 from megalite.training import evaluate, train
+from megalite.training.logger import log
+from megalite.training.resilience import NonFiniteError
+from megalite.training.task import Run, Task
 
 # all-MiniLM-L6-v2 on the built-in task in a few minutes on 2 CPU cores.
 DEFAULTS = dict(seq_length=64, micro_batch_size=16, global_batch_size=32, lr=2e-4, min_lr=0.0,
@@ -162,7 +162,7 @@ class PairClassification(Task):
 
     def _check_resume(self, root: str) -> None:
         """The checkpoint to resume is this task's, and its best epoch's checkpoint is there."""
-        meta = checkpointing.read_meta(root)
+        meta = checkpoint.read_meta(root)
         if meta is None:
             return
         state = meta.get("task")
@@ -176,7 +176,7 @@ class PairClassification(Task):
                              f"{ours[0]} / {ours[1]} and {ours[2]}: resume with the same data "
                              f"and batch, or pass another --save")
         best = state["best_epoch"] * steps
-        if best and not os.path.isdir(checkpointing.iteration_dir(root, best)):
+        if best and not os.path.isdir(checkpoint.iteration_dir(root, best)):
             raise ValueError(f"--load {root}: holds no checkpoint of the best epoch so far "
                              f"(iteration {best}); resume from the directory the run saved to")
 
@@ -230,7 +230,7 @@ class PairClassification(Task):
             self.counts = [self.count_correct(run)]
             log(f"validation accuracy before finetuning: {_accuracy(self.counts[0])}")
         elif self.best_epoch:
-            self.best_state = checkpointing.read_full_model(
+            self.best_state = checkpoint.read_full_model(
                 run.configs.checkpoint.load, self.best_epoch * self.steps_per_epoch)[1]
             log(f"best so far: epoch {self.best_epoch}, validation accuracy "
                 f"{_accuracy(self.counts[self.best_epoch])}")
@@ -250,7 +250,7 @@ class PairClassification(Task):
         if save:
             run.save()
             if dist.get_rank() == 0 and superseded:
-                shutil.rmtree(checkpointing.iteration_dir(save, superseded), ignore_errors=True)
+                shutil.rmtree(checkpoint.iteration_dir(save, superseded), ignore_errors=True)
 
     def finish(self, run: Run) -> None:
         """The best epoch's weights into the model, --save and --export-dir; the summary."""
@@ -258,8 +258,8 @@ class PairClassification(Task):
         if run.iteration != best:
             load_full_state_dict(run.model, self.best_state)
         if dist.get_rank() == 0:
-            if save and os.path.isdir(checkpointing.iteration_dir(save, best)):
-                checkpointing.mark_latest(save, best)
+            if save and os.path.isdir(checkpoint.iteration_dir(save, best)):
+                checkpoint.mark_latest(save, best)
             if run.configs.finetune.export_dir:
                 save_bert_dir(run.configs.finetune.export_dir, self.best_state,
                               run.configs.model, tokenizer_dir=self.model_dir)

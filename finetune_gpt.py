@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import pretrain_gpt
-from megalite import checkpointing
+from megalite import checkpoint
 from megalite.config import Configs, default_checkpoint_dirs, parse_configs
 from megalite.data.chat_builtin import builtin_chat_set
 from megalite.data.chat_data import ChatExamples, encode_conversations, read_conversations
@@ -50,10 +50,10 @@ from megalite.layout import RunLayout
 from megalite.models.sharding import (full_state_dict, gather_pipeline_state_dict,
                                       load_full_state_dict, unwrap)
 from megalite.mpu import parallel_state as ps
-from megalite.resilience import NonFiniteError
-from megalite.task import Run, Task
-from megalite.train_logger import log
 from megalite.training import evaluate, train
+from megalite.training.logger import log
+from megalite.training.resilience import NonFiniteError
+from megalite.training.task import Run, Task
 
 # SmolLM2-135M-Instruct on the built-in set in a few minutes on 2 CPU cores.
 DEFAULTS = dict(seq_length=128, micro_batch_size=2, global_batch_size=4, lr=1e-4, min_lr=0.0,
@@ -80,7 +80,7 @@ def read_model(source: str) -> tuple[object, dict, str | None]:
     if source == "smollm2":
         from megalite.hf import smollm2_gguf_path
         source = smollm2_gguf_path()
-    if os.path.isdir(source) and checkpointing.read_meta(source):
+    if os.path.isdir(source) and checkpoint.read_meta(source):
         return read_checkpoint(source)
     if not os.path.exists(source):
         raise ValueError(f"--pretrained {source}: no such file or directory")

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from megalite import checkpointing, device
-from megalite.checkpoint_args import model_from_checkpoint
+from megalite import checkpoint, device
+from megalite.checkpoint.metadata import model_from_checkpoint
 from megalite.config import Configs, default_checkpoint_dirs, parse_configs
 from megalite.data.builtin_corpus import builtin_corpus
 from megalite.data.gpt_dataset import build_gpt_datasets, parse_data_path
@@ -30,8 +30,8 @@ from megalite.models import GPTModel
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.context_parallel import chunk_positions, get_batch_on_this_cp_rank
 from megalite.mpu.document_mask import DocumentMask
-from megalite.resilience import NonFiniteError
 from megalite.training import TrainResult, pretrain
+from megalite.training.resilience import NonFiniteError
 
 # A small GPT that trains visibly on 2 CPU cores in a few minutes.
 DEFAULTS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128,
@@ -65,7 +65,7 @@ def take_tokenizer_vocab(configs: Configs, from_checkpoint: bool) -> None:
 
 def _loaded_meta(configs: Configs) -> dict | None:
     """The metadata of the checkpoint --load resumes from (None: no --load or none there yet)."""
-    return configs.checkpoint.load and checkpointing.read_meta(configs.checkpoint.load)
+    return configs.checkpoint.load and checkpoint.read_meta(configs.checkpoint.load)
 
 
 def check_inputs(configs: Configs) -> None:
@@ -77,7 +77,7 @@ def check_inputs(configs: Configs) -> None:
         configs.model = model_from_checkpoint(meta["model_config"], configs.model,
                                               configs.explicit, configs.checkpoint.load)
         configs.data.tokenizer = configs.data.tokenizer or \
-            checkpointing.checkpoint_tokenizer(configs.checkpoint.load, meta)
+            checkpoint.checkpoint_tokenizer(configs.checkpoint.load, meta)
     if configs.data.tokenizer:
         take_tokenizer_vocab(configs, from_checkpoint=bool(meta))
     d = configs.data

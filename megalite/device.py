@@ -6,7 +6,9 @@ import contextlib
 import datetime
 import os
 import random
+import resource
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -124,3 +126,11 @@ def reduced_precision_warning(dtype: torch.dtype, threshold: float = 2.0) -> str
             f"{torch.backends.cpu.get_cpu_capability()}, no native {name} support): training "
             f"with --{'bf16' if dtype == torch.bfloat16 else 'fp16'} here is slower, not "
             f"faster; drop the flag or use a GPU")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated GPU memory, or the process's peak resident set on CPU, in MB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10

@@ -15,8 +15,8 @@ from torch import nn
 from megalite.config import ModelConfig, OptimizerConfig, PrecisionConfig
 from megalite.device import current_device
 from megalite.distributed import DistributedDataParallel
+from megalite.distributed.finalize import allreduce_shared_embedding_grads
 from megalite.models import GPTModel
-from megalite.models.stage import allreduce_shared_embedding_grads
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel

@@ -11,8 +11,9 @@ import pretrain_gpt
 from megalite.config import ModelConfig
 from megalite.device import current_device
 from megalite.distributed import DistributedDataParallel
+from megalite.distributed.finalize import finalize_model_grads, sync_shared_embedding
 from megalite.models import GPTModel
-from megalite.models.stage import build_model_chunks, finalize_model_grads, sync_shared_embedding
+from megalite.models.stage import build_model_chunks
 from megalite.models.transformer_stage import moe_states
 from megalite.moe.stats import reduce_mtp_loss
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed

@@ -53,7 +53,7 @@ def hf_parity_errors(model, hf_model, to_hf_names, tokens: torch.Tensor, vocab: 
     logits, loss, every gradient (gathered over TP,
     renamed by `to_hf_names(full megalite dict)`), then the losses after `steps` AdamW steps
     on both."""
-    from megalite.models.stage import finalize_model_grads
+    from megalite.distributed.finalize import finalize_model_grads
     from megalite.mpu.layers import gather_tensor_parallel
     from megalite.mpu.mappings import gather_from_tensor_model_parallel_region
     inputs, labels = tokens[:, :-1], tokens[:, 1:]

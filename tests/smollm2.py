@@ -49,7 +49,7 @@ def cached_checkpoint(gguf_path: str) -> str:
     tokenizer saved in it (chat template included), written once as
     `$MEGALITE_CACHE/smollm2/checkpoint-<file size>-format<N>` (540 MB): `--load` reads it
     in about a second, where the GGUF takes tens to dequantise. Returns its directory."""
-    from megalite.checkpointing import FORMAT, write_weights_checkpoint
+    from megalite.checkpoint import FORMAT, write_weights_checkpoint
     from megalite.data.tokenizers import HFTokenizer
     from megalite.hf import llama_config, llama_to_megalite, read_llama_gguf
     root = os.path.join(_cache_dir(), f"checkpoint-{os.path.getsize(gguf_path)}-format{FORMAT}")

@@ -14,7 +14,7 @@ from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.optimizer.optimizer import (apex_fused_adam, load_portable_state_dict,
                                           portable_state_dict)
 from megalite.layout import RunLayout
-from megalite.training import check_before_start
+from megalite.training.checks import check_before_start
 from tests.gpt_run import VOCAB, make_dataset, make_sp_model, tiny_args, train
 from tests.multirank import run_on_ranks
 

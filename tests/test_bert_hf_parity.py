@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from megalite.device import current_device
+from megalite.distributed.finalize import allreduce_shared_embedding_grads
 from megalite.hf.bert import bert_config, bert_to_megalite, load_bert, read_bert_dir
 from megalite.models.bert import BertModel
 from megalite.models.sharding import full_state_dict, gather_pipeline_state_dict
-from megalite.models.stage import allreduce_shared_embedding_grads
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel

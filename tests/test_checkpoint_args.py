@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megalite import checkpointing
-from megalite.checkpoint_args import RESUMABLE_MODEL_FIELDS
+from megalite import checkpoint
+from megalite.checkpoint.metadata import RESUMABLE_MODEL_FIELDS
 from megalite.config import ModelConfig
 from megalite.data import builtin_corpus as bc
 from megalite.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 from megalite.layout import RunLayout
-from megalite.training import check_before_start
+from megalite.training.checks import check_before_start
 from tests.gpt_run import make_dataset, make_sp_model, tiny_args, train
 from tests.multirank import run_on_ranks
 from tests.test_data_builtin import small_documents
@@ -38,7 +38,7 @@ SAVED = ModelConfig(num_layers=2, hidden_size=48, num_attention_heads=6, vocab_s
 def llama_ck(tmp_path_factory) -> tuple[str, str]:
     """(data prefix, weights-only checkpoint of a small Llama-shaped model)."""
     directory = tmp_path_factory.mktemp("args")
-    checkpointing.write_weights_checkpoint(str(directory / "ck"), {}, SAVED)
+    checkpoint.write_weights_checkpoint(str(directory / "ck"), {}, SAVED)
     return make_dataset(str(directory)), str(directory / "ck")
 
 
@@ -80,18 +80,18 @@ def test_flags_that_agree_are_accepted_floats_at_float32(llama_ck):
     configs = _configs(data, ck, "--norm-epsilon", "1e-5", "--rotary-base", "1e5",
                        "--num-layers", "2", "--normalization", "RMSNorm", "--hidden-dropout", "0.1")
     assert configs.model.norm_epsilon == EPS32 and configs.model.hidden_dropout == 0.1
-    meta = checkpointing.read_meta(ck)
-    checkpointing.check_compatible(meta, dataclasses.replace(configs.model, norm_epsilon=1e-5),
+    meta = checkpoint.read_meta(ck)
+    checkpoint.check_compatible(meta, dataclasses.replace(configs.model, norm_epsilon=1e-5),
                                    ck, torch.float32)
 
 
 def test_every_difference_and_the_precision_in_one_line(tmp_path):
     root = str(tmp_path / "ck")
-    checkpointing.write_weights_checkpoint(root, {}, SAVED)
-    meta = {**checkpointing.read_meta(root), "params_dtype": "float32"}
+    checkpoint.write_weights_checkpoint(root, {}, SAVED)
+    meta = {**checkpoint.read_meta(root), "params_dtype": "float32"}
     ours = dataclasses.replace(SAVED, num_layers=4, swiglu=False, ffn_hidden_size=None)
     with pytest.raises(ValueError) as error:
-        checkpointing.check_compatible(meta, ours, root, torch.bfloat16)
+        checkpoint.check_compatible(meta, ours, root, torch.bfloat16)
     line = str(error.value)
     assert "\n" not in line and line.count("checkpoint has") == 3  # layers, ffn size, swiglu
     assert "num_layers=2" in line and "--swiglu False" in line
@@ -115,9 +115,9 @@ def test_checkpoint_trained_with_tokenizer_resumes_without_it(tmp_path, monkeypa
     bc.builtin_corpus()
     ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
     run_on_ranks(1, _train_with_tokenizer, data, sp, ck)
-    meta = checkpointing.read_meta(ck)
+    meta = checkpoint.read_meta(ck)
     assert meta["tokenizer"] == "tokenizer/tokenizer.model"
-    with open(sp, "rb") as f, open(checkpointing.checkpoint_tokenizer(ck, meta), "rb") as g:
+    with open(sp, "rb") as f, open(checkpoint.checkpoint_tokenizer(ck, meta), "rb") as g:
         assert f.read() == g.read()
 
     result = subprocess.run(
@@ -126,12 +126,12 @@ def test_checkpoint_trained_with_tokenizer_resumes_without_it(tmp_path, monkeypa
         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     assert f"resumed from {ck} at iteration 2" in result.stdout
-    resumed = checkpointing.read_meta(out)
+    resumed = checkpoint.read_meta(out)
     assert resumed["iteration"] == 3
     assert _defining(ModelConfig(**resumed["model_config"])) == \
         _defining(ModelConfig(**meta["model_config"]))
     key = tokenizer_fingerprint(build_tokenizer(sp))
-    assert tokenizer_fingerprint(build_tokenizer(checkpointing.checkpoint_tokenizer(
+    assert tokenizer_fingerprint(build_tokenizer(checkpoint.checkpoint_tokenizer(
         out, resumed))) == key
     with open(cache / f"builtin-{key[:16]}" / "DONE") as f:
         assert json.load(f)["vocab_size"] == 300

@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megalite import checkpoint_io, checkpointing
+from megalite import checkpoint
+from megalite.checkpoint import files as checkpoint_io
 from megalite.config import parse_configs
 from megalite.layout import RunLayout
-from megalite.training import check_before_start
+from megalite.training.checks import check_before_start
 from tests.gpt_run import VOCAB, make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 
@@ -42,7 +43,7 @@ def test_no_pickle_anywhere_in_the_code():
 
 def test_files_are_json_and_safetensors_readable_by_other_tools(saved):
     _, ck = saved
-    directory = checkpointing.iteration_dir(ck, 2)
+    directory = checkpoint.iteration_dir(ck, 2)
     assert sorted(os.listdir(directory)) == [
         "index.json", "meta.json", "rank_00000.json", "rank_00000.safetensors",
         "rank_00001.json", "rank_00001.safetensors", "shard_00000.json",
@@ -101,7 +102,7 @@ def test_damaged_shard_is_one_line_naming_the_file_on_every_rank(saved, tmp_path
     prefix, original = saved
     ck = str(tmp_path / "ck")
     shutil.copytree(original, ck)
-    directory = checkpointing.iteration_dir(ck, 2)
+    directory = checkpoint.iteration_dir(ck, 2)
     if damage == "truncate_shard0":
         path = os.path.join(directory, "shard_00000.safetensors")
         os.truncate(path, os.path.getsize(path) // 2)
@@ -117,7 +118,7 @@ def test_resave_of_an_iteration_keeps_the_old_copy_until_the_new_one_is_in_place
                                                                               monkeypatch):
     root = str(tmp_path)
     for text in ("old", "new"):
-        tmp = checkpointing.iteration_dir(root, 5) + ".tmp"
+        tmp = checkpoint.iteration_dir(root, 5) + ".tmp"
         os.makedirs(tmp)
         open(os.path.join(tmp, "payload"), "w").write(text)
         if text == "new":  # crash between moving the old copy aside and moving the new in
@@ -125,12 +126,12 @@ def test_resave_of_an_iteration_keeps_the_old_copy_until_the_new_one_is_in_place
             monkeypatch.setattr(os, "rename", lambda a, b: real_rename(a, b) if a.endswith(
                 "0000005") else (_ for _ in ()).throw(OSError("crash (simulated)")))
             with pytest.raises(OSError):
-                checkpointing._publish(root, 5, tmp)
+                checkpoint.dirs.publish(root, 5, tmp)
             monkeypatch.undo()
         else:
-            checkpointing._publish(root, 5, tmp)
-    assert checkpointing.latest_iteration(root) == 5
-    published = checkpointing._published_dir(root, 5)
+            checkpoint.dirs.publish(root, 5, tmp)
+    assert checkpoint.latest_iteration(root) == 5
+    published = checkpoint.dirs.published_dir(root, 5)
     assert open(os.path.join(published, "payload")).read() == "old"
 
 
@@ -181,16 +182,16 @@ def test_a_format_2_checkpoint_still_loads_its_weights(saved, tmp_path):
     """megalite's previous format (full TP-gathered tensors per pipeline stage, no index)
     reads back as the same full weights as the sharded checkpoint it is made from."""
     _, ck = saved
-    meta, full = checkpointing.read_full_model(ck)
-    old = checkpointing.iteration_dir(str(tmp_path / "old"), 2)
+    meta, full = checkpoint.read_full_model(ck)
+    old = checkpoint.iteration_dir(str(tmp_path / "old"), 2)
     os.makedirs(old)
     half = len(full) // 2  # stage files hold disjoint names; split them over two "stages"
     for stage, names in enumerate((list(full)[:half], list(full)[half:])):
-        checkpoint_io.write_tensors(checkpointing.model_file(old, stage),
+        checkpoint_io.write_tensors(checkpoint.legacy.model_file(old, stage),
                                     {n: full[n] for n in names})
     checkpoint_io.write_json(os.path.join(old, "meta.json"), {
         **meta, "format": 2, "layout": {"tp": 1, "pp": 2, "dp": 1, "vpp": None}})
-    checkpointing.mark_latest(str(tmp_path / "old"), 2)
-    _, back = checkpointing.read_full_model(str(tmp_path / "old"))
+    checkpoint.mark_latest(str(tmp_path / "old"), 2)
+    _, back = checkpoint.read_full_model(str(tmp_path / "old"))
     assert sorted(back) == sorted(full)
     assert all(torch.equal(back[n], full[n]) for n in full)

@@ -102,11 +102,12 @@ def test_resumes_into_other_layouts_and_shardings_continue_the_single_process_cu
 
 
 def test_slices_of_tp_shards_are_the_global_tensors_elements():
-    """checkpoint_slices against the TP split itself (mpu.layers._split_shards): every flat
+    """checkpoint.slices against the TP split itself (mpu.layers._split_shards): every flat
     range of every rank's shard (strided SwiGLU blocks, GQA replicas, vocabulary padding) maps
     to global boxes holding exactly its values, and the ranks' boxes tile the global tensor."""
     from torch import nn
-    from megalite.checkpoint_slices import (box_slices, flat_boxes, global_shape, to_global,
+
+    from megalite.checkpoint.slices import (box_slices, flat_boxes, global_shape, to_global,
                                             writes_param)
     from megalite.mpu.layers import _split_shards, set_tensor_model_parallel_attributes
     cases = [((16, 6), 0, 2, 1, None), ((5, 8), 1, 1, 1, None), ((12, 3), 0, 1, 2, None),

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from megalite import checkpointing
+from megalite import checkpoint
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 
@@ -43,12 +43,12 @@ def test_messages_and_kept_checkpoints(data, tmp_path):
     log, trained, files = longer
     assert f"resumed from {ck} at iteration 5" in log and trained == [6, 7]
     assert [f for f in files if f.startswith("iter_")] == ["iter_0000006", "iter_0000007"]
-    assert checkpointing.latest_iteration(ck) == 7
+    assert checkpoint.latest_iteration(ck) == 7
 
 
 def test_pruning_never_deletes_the_iteration_just_written(tmp_path):
     for i in (3, 8, 9):
-        os.makedirs(checkpointing.iteration_dir(str(tmp_path), i))
-    os.makedirs(checkpointing.iteration_dir(str(tmp_path), 2) + ".tmp")
-    assert checkpointing.prune_checkpoints(str(tmp_path), 1, 3) == [8]
+        os.makedirs(checkpoint.iteration_dir(str(tmp_path), i))
+    os.makedirs(checkpoint.iteration_dir(str(tmp_path), 2) + ".tmp")
+    assert checkpoint.prune_checkpoints(str(tmp_path), 1, 3) == [8]
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002.tmp", "iter_0000003", "iter_0000009"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megalite import checkpointing
+from megalite import checkpoint
 from megalite.hf.gguf import unpermute_rotary
 from tests.multirank import run_on_ranks
 from tests.reference import tiny_gpt2
@@ -110,7 +110,7 @@ def test_llama_directory_without_model_type_round_trips(llama_dirs, tmp_path):
     root, hf = llama_dirs
     convert("--direction", "hf-to-megalite", "--input", root / "gqa", "--output",
             tmp_path / "ml", "--target-tp", "2", "--target-pp", "2")
-    assert checkpointing.read_meta(str(tmp_path / "ml"))["model_config"]["swiglu"]
+    assert checkpoint.read_meta(str(tmp_path / "ml"))["model_config"]["swiglu"]
     convert("--direction", "megalite-to-hf", "--input", tmp_path / "ml", "--output",
             tmp_path / "back")
     back = LlamaForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
@@ -162,7 +162,7 @@ def test_a_missing_weight_is_refused(llama_dirs, tmp_path, capsys):
 def test_a_checkpoint_missing_a_weight_is_refused(llama_dirs, tmp_path, capsys):
     root, _ = llama_dirs
     convert("--direction", "hf-to-megalite", "--input", root / "gqa", "--output", tmp_path / "ml")
-    path = os.path.join(checkpointing.iteration_dir(str(tmp_path / "ml"), 0), "index.json")
+    path = os.path.join(checkpoint.iteration_dir(str(tmp_path / "ml"), 0), "index.json")
     index = json.load(open(path))
     del index["model"]["final_layernorm.weight"]
     json.dump(index, open(path, "w"))

@@ -1,4 +1,4 @@
-"""Faults injected through MEGALITE_FAULT (megalite.resilience) or real signals: a NaN loss
+"""Faults injected through MEGALITE_FAULT (megalite.training.resilience) or real signals: a NaN loss
 on one rank, SIGTERM mid-run, a rank SIGKILLed mid-step under torchrun while an asynchronous
 save is in flight, a hung collective
 (on NCCL with TORCH_NCCL_BLOCKING_WAIT=1, so the wait itself raises at the group's timeout
@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from megalite import checkpointing
+from megalite import checkpoint
 from megalite.device import current_device
-from megalite.rank_pool import on_gpus, run_once
+from megalite.distributed.rank_pool import on_gpus, run_once
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 
@@ -25,7 +25,7 @@ PP2_DP2 = ["--pp", "2", "--dp", "2"]
 
 def _with_faults(spec: str, argv: list[str]) -> tuple[dict, str | None]:
     """Train with MEGALITE_FAULT=spec on this rank; (losses, NonFiniteError text or None)."""
-    from megalite.resilience import NonFiniteError
+    from megalite.training.resilience import NonFiniteError
     os.environ["MEGALITE_FAULT"] = spec
     try:
         return train(argv), None
@@ -60,14 +60,14 @@ def test_nan_loss_on_one_rank_skips_the_step_everywhere_and_stops_after_the_limi
     assert skipped[3] != skipped[3]  # NaN, seen on rank 0 too (agreed over PP and DP)
     # the NaN step was never applied: the checkpoint written after it holds the weights of
     # the clean run after step 2, bit for bit, with no NaN
-    _, clean_weights = checkpointing.read_full_model(str(tmp_path / "clean"))
-    meta, skip_weights = checkpointing.read_full_model(str(tmp_path / "skip"))
+    _, clean_weights = checkpoint.read_full_model(str(tmp_path / "clean"))
+    meta, skip_weights = checkpoint.read_full_model(str(tmp_path / "skip"))
     assert meta["iteration"] == 3 and clean_weights.keys() == skip_weights.keys()
     for name, tensor in clean_weights.items():
         assert torch.equal(tensor, skip_weights[name]), name
     assert error.startswith("iteration 3: 2 consecutive steps skipped (non-finite loss")
     # nothing saved after the first NaN: iteration 1 is still the newest checkpoint
-    assert checkpointing.latest_iteration(str(tmp_path / "stop")) == 1
+    assert checkpoint.latest_iteration(str(tmp_path / "stop")) == 1
 
 
 def _fp16_stuck(prefix: str, root: str) -> str:
@@ -93,7 +93,7 @@ def _sigterm_run(prefix: str, root: str) -> tuple[list[int], bool]:
 def test_sigterm_on_one_rank_stops_every_rank_after_the_step_with_a_checkpoint(tmp_path):
     prefix = make_dataset(str(tmp_path))
     assert run_on_ranks(2, _sigterm_run, prefix, str(tmp_path)) == [([1, 2, 3], True)] * 2
-    assert checkpointing.latest_iteration(str(tmp_path / "term")) == 3
+    assert checkpoint.latest_iteration(str(tmp_path / "term")) == 3
 
 
 def _hang_on_tp_group(timeout_s: float) -> tuple[float, str]:
@@ -146,8 +146,8 @@ def test_sigkill_of_one_rank_during_an_async_save_leaves_the_previous_checkpoint
     elapsed = time.monotonic() - start
     assert job.returncode != 0 and elapsed < 120, (job.returncode, elapsed)
     assert "SIGKILL" in job.stderr or "exitcode  : -9" in job.stderr, job.stderr[-2000:]
-    assert checkpointing.latest_iteration(str(ck)) == 2
-    assert not os.path.exists(checkpointing.iteration_dir(str(ck), 3))
+    assert checkpoint.latest_iteration(str(ck)) == 2
+    assert not os.path.exists(checkpoint.iteration_dir(str(ck), 3))
     straight = run_on_ranks(4, train, tiny_args(prefix, str(tmp_path / "straight"), 5,
                                                 *PP2_DP2))[0]
     resumed = run_on_ranks(4, _resume, prefix, str(tmp_path), "resumed", 5)[0]
@@ -157,7 +157,7 @@ def test_sigkill_of_one_rank_during_an_async_save_leaves_the_previous_checkpoint
 
 @pytest.mark.parametrize("spec", ["nan@3", "nan_loss@x", "sigkill@3:r"])
 def test_malformed_fault_spec_is_one_line(spec):
-    from megalite.resilience import parse_faults
+    from megalite.training.resilience import parse_faults
     with pytest.raises(ValueError, match="MEGALITE_FAULT") as error:
         parse_faults(spec)
     assert "\n" not in str(error.value)

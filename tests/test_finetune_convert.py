@@ -7,7 +7,7 @@ checkpoint must give the same logits as transformers in a megalite BertModel (fp
 import pytest
 import torch
 
-from megalite import checkpointing
+from megalite import checkpoint
 from megalite.config import ModelConfig
 from megalite.models.bert import BertModel
 from megalite.models.sharding import load_full_state_dict
@@ -52,7 +52,7 @@ def test_bert_hf_megalite_reshard_hf_round_trip(tmp_path, kind):
     batch = _batch(hf.config.vocab_size, "mlm" if kind == "mlm" else "classification")
     assert torch.equal(_outputs(back, batch), _outputs(hf, batch))
 
-    meta, full = checkpointing.read_full_model(str(tmp_path / "tp2pp2"))
+    meta, full = checkpoint.read_full_model(str(tmp_path / "tp2pp2"))
     assert meta["layout"]["tp"] == 2 and meta["layout"]["pp"] == 2
     if kind == "classification":
         config = ModelConfig(**meta["model_config"])

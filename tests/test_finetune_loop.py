@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import finetune_bert
 import pretrain_gpt
-from megalite import checkpointing
+from megalite import checkpoint
 from tests.multirank import run_on_ranks
 from tests.test_finetune_run import task_args, write_task_dir
 
@@ -76,8 +76,8 @@ def test_resumed_run_saves_and_exports_the_best_epoch(runs):
     # SIGTERM at 5, every 3rd step, the best epoch (16; epoch 1's 8 was superseded),
     # --exit-interval 20, the end (24); the best is what --load picks when the run ends
     assert saved == [3, 5, 6, 9, 12, 15, 16, 18, 20, 21, 24]
-    assert checkpointing.latest_iteration(ck) == 2 * STEPS
-    assert checkpointing.read_meta(ck)["task"]["best_epoch"] == 2
+    assert checkpoint.latest_iteration(ck) == 2 * STEPS
+    assert checkpoint.read_meta(ck)["task"]["best_epoch"] == 2
     want = load_file(f"{out}/straight_hf/model.safetensors")
     got = load_file(f"{out}/resumed_hf/model.safetensors")
     assert want.keys() == got.keys()
@@ -103,7 +103,7 @@ def test_sigterm_saves_and_exits_0(tmp_path, task_dir):
                          env={**os.environ, "OMP_NUM_THREADS": "1", "MEGALITE_FAULT": "sigterm@3"})
     assert job.returncode == 0, job.stderr[-2000:]
     assert "exiting at iteration 3: received SIGTERM" in job.stdout
-    assert checkpointing.latest_iteration(ck) == 3
+    assert checkpoint.latest_iteration(ck) == 3
 
 
 @pytest.mark.parametrize("flag", [["--data-path", "x"], ["--tokenizer", "t"], ["--split", "1,1,0"],

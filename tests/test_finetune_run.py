@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import finetune_bert
-from megalite import checkpointing
+from megalite import checkpoint
 from megalite.config import ModelConfig, parse_configs
 from megalite.models.bert import BertModel
 from megalite.models.sharding import load_full_state_dict
@@ -118,7 +118,7 @@ def test_finetune_reports_the_accuracy_of_its_export(tmp_path, task_dir, layout)
     assert result["counts"][best] == (correct, 21), (result["counts"], correct)
     assert result["counts"][best][0] == max(c for c, _ in result["counts"][1:])
 
-    meta, full = checkpointing.read_full_model(save)
+    meta, full = checkpoint.read_full_model(save)
     assert meta["iteration"] == best * 8
     model = BertModel(ModelConfig(**meta["model_config"]), num_labels=2).eval()
     load_full_state_dict(model, full)

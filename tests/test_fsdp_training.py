@@ -69,10 +69,10 @@ def _llama_grad_errors(config, weights: dict, want: dict, tokens: torch.Tensor) 
     from torch.distributed.tensor import distribute_tensor
 
     from megalite.device import current_device
+    from megalite.distributed.finalize import finalize_model_grads
     from megalite.distributed.fsdp import shard_model
     from megalite.models import GPTModel
     from megalite.models.sharding import load_full_state_dict
-    from megalite.models.stage import finalize_model_grads
     from megalite.mpu import initialize_model_parallel, model_parallel_seed
     from megalite.mpu import parallel_state as ps
     from megalite.mpu.layers import shard_tensor_parallel

@@ -6,14 +6,14 @@ import subprocess
 import pytest
 import torch
 
-from megalite import checkpointing
+from megalite import checkpoint
 from megalite.config import ModelConfig, parse_configs
 from megalite.device import current_device, free_port
-from megalite.models import GPTModel
+from megalite.distributed.rank_pool import on_gpus
 from megalite.layout import RunLayout
+from megalite.models import GPTModel
 from megalite.optimizer import get_optimizer
-from megalite.rank_pool import on_gpus
-from megalite.training import build_model, setup_parallel
+from megalite.training.setup import build_model, setup_parallel
 from tests.gpt_run import make_dataset, tiny_args
 from tests.multirank import run_on_ranks
 from tests.reference import tiny_gpt2
@@ -33,7 +33,7 @@ def convert(*argv: str) -> None:
 
 def _load_and_save_sharded(src: str, dst: str, layout: list[str]) -> None:
     """Load the converted checkpoint into the shards of `layout` (flags) and save it from them."""
-    meta = checkpointing.read_meta(src)
+    meta = checkpoint.read_meta(src)
     model_config = ModelConfig(**meta["model_config"])
     configs = parse_configs([*layout, "--seq-length", str(model_config.max_position_embeddings)])
     configs.model = model_config
@@ -44,8 +44,8 @@ def _load_and_save_sharded(src: str, dst: str, layout: list[str]) -> None:
                         device=current_device())
     model = build_model(configs, provider)
     optimizer, scheduler = get_optimizer(configs.optimizer, configs.precision, model, 10)
-    checkpointing.load_checkpoint(src, model, optimizer, scheduler, configs.model)
-    checkpointing.save_checkpoint(dst, 1, model, optimizer, scheduler, 0, configs.model)
+    checkpoint.load(src, model, optimizer, scheduler, configs.model)
+    checkpoint.save(dst, 1, model, optimizer, scheduler, 0, configs.model)
 
 
 def _tiny_hf(model_type: str):
@@ -115,4 +115,4 @@ def test_two_launcher_nodes_form_one_8_rank_job(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "world 8 = TP 2 x PP 2 x DP 2" in outputs[0], outputs[0]
     assert "iteration      3/     3" in outputs[0], outputs[0]
-    assert checkpointing.latest_iteration(str(tmp_path / "ck")) == 3
+    assert checkpoint.latest_iteration(str(tmp_path / "ck")) == 3

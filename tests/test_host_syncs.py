@@ -26,7 +26,7 @@ import pretrain_gpt
 from megalite.config import parse_configs
 from megalite.device import current_device
 from megalite.models import GPTModel
-from megalite.task import Task
+from megalite.training.task import Task
 from tests.multirank import run_on_ranks
 
 aten = torch.ops.aten

@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megalite.checkpointing import write_weights_checkpoint
+from megalite.checkpoint import write_weights_checkpoint
 from megalite.data.tokenizer_training import train_sentencepiece
 from megalite.data.tokenizers import SentencePieceTokenizer
 from megalite.device import free_port
-from megalite.hf.gpt2 import gpt2_to_megalite, gpt2_config
+from megalite.hf.gpt2 import gpt2_config, gpt2_to_megalite
 from tests.reference import tiny_gpt2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

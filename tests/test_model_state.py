@@ -1,14 +1,15 @@
-"""Model-state bytes per parameter per rank under each sharding strategy (megalite.model_state,
-megalite.planner) against the ZeRO paper's closed forms, written out here, and real models."""
+"""Model-state bytes per parameter per rank under each sharding strategy (megalite.planning.state_bytes,
+megalite.planning.planner) against the ZeRO paper's closed forms, written out here, and real models."""
 import dataclasses
 import functools
 
 import pytest
 
-from megalite import planner
 from megalite.config import ModelConfig
-from megalite.model_state import STRATEGIES, gather_bytes, state_bytes_per_param, zero_bytes
 from megalite.models import GPTModel
+from megalite.planning import params as param_counts
+from megalite.planning.state_bytes import (STRATEGIES, gather_bytes, state_bytes_per_param,
+                                           zero_bytes)
 
 NS = (1, 2, 4, 8)
 
@@ -82,10 +83,10 @@ def test_fsdp_units_and_gather_buffers_equal_a_real_model(llama):
             disable_bias_linear=True, untie_embeddings_and_output_weights=True)
     root, units = _real_units(GPTModel(config))
     padded = 1024
-    planned_root, planned = planner.fsdp_units(config, padded, 1, 1, 0)
+    planned_root, planned = param_counts.fsdp_units(config, padded, 1, 1, 0)
     assert (planned_root, sorted(planned)) == (root, units)
     stage, largest = root + sum(units), max(units)
-    assert planner.stage_params(config, padded, 1, 1, 0) == stage
+    assert param_counts.stage_params(config, padded, 1, 1, 0) == stage
     zero3 = functools.partial(gather_bytes, strategy="optim_grads_params", stage_params=stage,
                               root=root, largest=largest)
     assert zero3("bf16", pipeline=False) == 2 * (root + 2 * largest)
@@ -101,7 +102,7 @@ def test_fsdp_units_and_gather_buffers_equal_a_real_model(llama):
 def test_start_up_line_counts_dense_over_dp_and_experts_over_expert_dp():
     """bf16 optim over 4 ranks, EP 2: 1M dense params x (2 + 4 + 12/4) + 0.5M expert params x
     (2 + 4 + 12/2) = 15 MB, 10 B/param; offloaded, the 12-byte optimizer part is host memory."""
-    from megalite.model_state import describe
+    from megalite.planning.state_bytes import describe
     mib = 2 ** 20
     assert describe("bf16", "optim", 4, 2, False, 1_000_000, 500_000, 0) == (
         f"model state per rank: {15e6 / mib:,.1f} MiB (10 B/param, sharding optim over 4 ranks)")

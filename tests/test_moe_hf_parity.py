@@ -9,14 +9,15 @@ import torch
 
 from megalite.config import parse_configs
 from megalite.device import current_device
+from megalite.distributed.finalize import finalize_model_grads
 from megalite.hf.moe import moe_config, moe_to_megalite
+from megalite.layout import RunLayout
 from megalite.models import GPTModel
 from megalite.models.sharding import load_full_state_dict
-from megalite.models.stage import finalize_model_grads
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel
-from megalite.layout import RunLayout
-from megalite.training import build_model, run_schedule, setup_parallel, train_step
+from megalite.training.loop import run_schedule, train_step
+from megalite.training.setup import build_model, setup_parallel
 from tests.multirank import run_on_ranks
 from tests.reference import hf_token_loss, random_hf_model, rel_err
 
@@ -26,8 +27,7 @@ LAYOUTS = {4: [(2, 1, 2), (1, 2, 2)], 8: [(1, 1, 4)]}  # world size -> [(tp, pp,
 
 def tiny_moe(family: str, seed: int = 0, **overrides):
     """A random transformers Mixtral / Qwen2-MoE (no download); norm weights away from 1."""
-    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
-                              Qwen2MoeForCausalLM)
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
     kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2,
               rope_parameters={"rope_type": "default", "rope_theta": 1e4})

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megalite.device import reduced_precision_warning
-from megalite.log_writers import check_available
+from megalite.training.log_writers import check_available
 from tests.gpt_run import make_dataset, tiny_args, train
 from tests.multirank import run_on_ranks
 

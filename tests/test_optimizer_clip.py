@@ -14,15 +14,14 @@ import torch
 from megalite.config import PrecisionConfig
 from megalite.device import current_device
 from megalite.distributed import DistributedDataParallel
+from megalite.distributed.finalize import allreduce_shared_embedding_grads, sync_shared_embedding
 from megalite.models import GPTModel
-from megalite.models.stage import (allreduce_shared_embedding_grads, build_model_chunks,
-                                   sync_shared_embedding)
+from megalite.models.stage import build_model_chunks
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import get_optimizer
 from megalite.schedules import get_forward_backward_func
+from tests.dp_reference import CONFIG, SEQ, Reference, batches, init_grid, local_slice, opt_config
 from tests.multirank import run_on_ranks
-from tests.dp_reference import (CONFIG, SEQ, Reference, batches, init_grid, local_slice,
-                                  opt_config)
 
 GLOBAL_BATCH, MICROBATCHES = 8, 2
 

@@ -17,9 +17,9 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.device import current_device
+from megalite.distributed.finalize import finalize_model_grads, sync_shared_embedding
 from megalite.models import GPTModel
-from megalite.models.stage import (build_model_chunks, finalize_model_grads,
-                                   shared_embedding_params, sync_shared_embedding)
+from megalite.models.stage import build_model_chunks, shared_embedding_params
 from megalite.mpu import comm, destroy_model_parallel, initialize_model_parallel
 from megalite.mpu.layers import gather_tensor_parallel
 from megalite.schedules import get_forward_backward_func

@@ -1,4 +1,4 @@
-"""megalite.planner against hand-computed closed forms, the schedule tables and real models."""
+"""megalite.planning.planner against hand-computed closed forms, the schedule tables and real models."""
 import dataclasses
 import importlib.util
 from fractions import Fraction
@@ -7,14 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite import planner
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig, OptimizerConfig,
                              ParallelConfig, PrecisionConfig, TrainConfig)
 from megalite.device import current_device
-from megalite.metrics import flops_per_iteration
 from megalite.models import GPTModel
 from megalite.mpu import initialize_model_parallel
 from megalite.mpu.layers import pad_vocab_size
+from megalite.planning import activations
+from megalite.planning import params as param_counts
+from megalite.planning import planner
+from megalite.planning.flops import flops_per_iteration
 from megalite.schedules import SCHEDULE_KINDS
 from megalite.schedules.accounting import (bubble_fraction, peak_inflight_microbatches,
                                            schedule_bubble)
@@ -43,7 +45,7 @@ def configs(layers=4, hidden=64, heads=4, vocab=1000, seq=32, tp=1, pp=1, vpp=No
 def test_activations_per_layer_follow_korthikanti():
     s, b, h, a, t = 64, 2, 128, 8, 4
     sbh = s * b * h
-    per = planner.activation_bytes_per_layer
+    per = activations.activation_bytes_per_layer
     assert per(s, b, h, a, 1, 2, None) == sbh * (34 + 5 * a * s / h)
     assert per(s, b, h, a, t, 2, None) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
     assert per(s, b, h, a, t, 2, "selective") == sbh * (10 + 24 / t)
@@ -64,7 +66,7 @@ def test_inflight_microbatches_and_bubble_match_the_schedule_tables(case):
     name, p, m, v = case
     table = build_schedule(name, p, m, v)
     for rank in range(p):
-        assert planner.inflight_microbatches(name, p, m, v, rank) == \
+        assert activations.inflight_microbatches(name, p, m, v, rank) == \
             peak_inflight_microbatches(table, rank)
     assert schedule_bubble(SCHEDULE_KINDS[name], p, m, v) == Fraction(p - 1, v * m) == \
         bubble_fraction(table)
@@ -79,10 +81,10 @@ def test_zero_bubble_inflight_and_bubble_follow_their_closed_forms(p, m):
     F = B = W; ZBV: min((m + r + 1) / 2, m, p) in flight; both against the simulated tables."""
     h1, zbv = build_schedule("zb-h1", p, m), build_schedule("zbv", p, m, 2)
     for rank in range(p):
-        assert planner.inflight_microbatches("zb-h1", p, m, 1, rank) == min(p - rank, m) == \
+        assert activations.inflight_microbatches("zb-h1", p, m, 1, rank) == min(p - rank, m) == \
             peak_inflight_microbatches(h1, rank)
         want = min(Fraction(m + rank + 1, 2), m, p)
-        assert planner.inflight_microbatches("zbv", p, m, 2, rank) == want == \
+        assert activations.inflight_microbatches("zbv", p, m, 2, rank) == want == \
             peak_inflight_microbatches(zbv, rank)
     f = b = w = 1
     closed_form = Fraction((p - 1) * (f + b - w), m * (f + b + w))
@@ -102,7 +104,7 @@ def test_plan_of_a_zero_bubble_layout_uses_its_schedule():
 
 def test_interleaving_penalty_on_stage_zero():
     p, v, m = 8, 4, 64
-    assert planner.inflight_microbatches("interleaved", p, m, v) == \
+    assert activations.inflight_microbatches("interleaved", p, m, v) == \
         p * (1 + Fraction(p - 1, p * v))
 
 
@@ -154,8 +156,8 @@ def test_comm_volumes_per_step():
                                      2)
     assert first["PP send"] == last["PP send"] == ("send", m * sbh * 2, 2)
     assert first["DP grad all-reduce"] == ("all_reduce", p.stages["first"].params * 4, 4)
-    assert planner.ring_wire("all_reduce", 1000, 4) == 1500
-    assert planner.ring_wire("reduce_scatter", 1000, 4) == 750
+    assert activations.ring_wire("all_reduce", 1000, 4) == 1500
+    assert activations.ring_wire("reduce_scatter", 1000, 4) == 750
 
 
 def test_gpt3_175b_fits_80gb_with_tp8_pp16_selective_distributed_but_not_alone():
@@ -173,7 +175,7 @@ def test_stage_params_equal_a_real_model():
     padded = 1024
     for rank, (pre, post, layers) in enumerate([(True, False, (0, 2)), (False, True, (2, 4))]):
         model = GPTModel(c.model, pre, post, layer_range=layers)
-        assert planner.stage_params(c.model, padded, 1, 2, rank) == \
+        assert param_counts.stage_params(c.model, padded, 1, 2, rank) == \
             sum(q.numel() for q in model.parameters())
 
 
@@ -200,7 +202,7 @@ def test_tp_stage_params_equal_a_real_model(spec):
     c = llama(c) if spec == "llama" else c
     for tp in (2, 4) if spec == "llama" else (2,):
         for count, padded in run_on_ranks(tp, _tp_params, tp, spec):
-            assert count == planner.stage_params(c.model, padded, tp, 1, 0), tp
+            assert count == param_counts.stage_params(c.model, padded, tp, 1, 0), tp
 
 
 def test_llama_stage_params_and_total_equal_a_real_model():
@@ -209,7 +211,7 @@ def test_llama_stage_params_and_total_equal_a_real_model():
     for rank, (pre, post, layers) in enumerate([(True, False, (0, 2)), (False, True, (2, 4))]):
         model = GPTModel(c.model, pre, post, layer_range=layers)
         stages.append(sum(q.numel() for q in model.parameters()))
-        assert planner.stage_params(c.model, padded, 1, 2, rank) == stages[-1]
+        assert param_counts.stage_params(c.model, padded, 1, 2, rank) == stages[-1]
     assert planner.plan(c).total_params == sum(stages)
 
 
@@ -238,11 +240,11 @@ def test_deepseek_v3_with_mtp_stage_params_total_and_flops_equal_a_real_model():
     from torch.utils.flop_counter import FlopCounterMode
     c = deepseek_v3(mtp=2)
     whole = GPTModel(c.model, device="meta")
-    assert planner.stage_params(c.model, 1024, 1, 1, 0) == \
+    assert param_counts.stage_params(c.model, 1024, 1, 1, 0) == \
         sum(q.numel() for q in whole.parameters()) == planner.plan(c).total_params
     for rank, (pre, post, layers) in enumerate([(True, False, (0, 2)), (False, True, (2, 4))]):
         stage = GPTModel(c.model, pre, post, layer_range=layers, device="meta")
-        assert planner.stage_params(c.model, 1024, 1, 2, rank) == \
+        assert param_counts.stage_params(c.model, 1024, 1, 2, rank) == \
             sum(q.numel() for q in stage.parameters()), rank
     tokens = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
     counted = {}

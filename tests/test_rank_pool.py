@@ -1,4 +1,4 @@
-"""megalite.rank_pool: results in rank order, and bounded failure (traceback, timeout)."""
+"""megalite.distributed.rank_pool: results in rank order, and bounded failure (traceback, timeout)."""
 import time
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.device import current_device
-from megalite.rank_pool import RankPool
+from megalite.distributed.rank_pool import RankPool
 
 
 def _rank_and_sum() -> tuple[int, float]:

@@ -15,8 +15,8 @@ import zlib
 
 import torch
 
-from megalite.checkpoint_io import load_state, save_state
-from megalite.checkpointing import iteration_dir, rank_state_path
+from megalite.checkpoint.dirs import iteration_dir, rank_state_path
+from megalite.checkpoint.files import load_state, save_state
 from megalite.config import ModelConfig
 from megalite.device import current_device, device_type
 from megalite.models import GPTModel

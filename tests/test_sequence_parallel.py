@@ -14,8 +14,8 @@ import torch
 
 from megalite.config import ModelConfig
 from megalite.device import current_device
+from megalite.distributed.finalize import finalize_model_grads
 from megalite.models import BertModel
-from megalite.models.stage import finalize_model_grads
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import pretrain_gpt
-from megalite import checkpointing
+from megalite import checkpoint
 from megalite.data import builtin_corpus as bc
 from megalite.data.tokenizers import build_tokenizer
 from megalite.hf import smollm2_gguf_path
@@ -78,7 +78,7 @@ def test_smollm2_continues_from_load_alone_with_transformers_loss(converted):
     ck, cache = converted
     losses, tokens = run_on_ranks(1, _continue, ck, cache, timeout=600)[0]
     assert sorted(losses) == [1] and tokens.shape == (2, 33)
-    tokenizer = build_tokenizer(checkpointing.checkpoint_tokenizer(ck, checkpointing.read_meta(ck)))
+    tokenizer = build_tokenizer(checkpoint.checkpoint_tokenizer(ck, checkpoint.read_meta(ck)))
     text = tokenizer.detokenize(tokens.flatten().tolist())
     assert " gamma" in text or " delta" in text  # the built-in corpus in SmolLM2's tokens
     assert losses[1] < 0.6 * math.log(49152)  # a random model: ln V = 10.8

@@ -12,7 +12,7 @@ plain model (no DP wrapper, no pipeline):
 - CP ring at cp in {2, 4} (and TP2 x CP2): a K/V block is 2 (s/cp) b g d elements with g
   the KV groups per TP rank; per layer each rank sends it cp - 1 times in forward, and in
   backward K/V cp - 1 times and dK/dV cp times - (cp - 1) and (2 cp - 1) blocks.
-The planner's formulas (megalite.planner) give the same numbers, and its activations per
+The planner's formulas (megalite.planning.planner) give the same numbers, and its activations per
 layer follow sbh(34 + 5as/h)/t (34 sbh/t selective) with SP, divided by cp with CP.
 """
 import dataclasses
@@ -20,12 +20,12 @@ import dataclasses
 import pytest
 import torch
 
-from megalite import planner
 from megalite.device import current_device
 from megalite.models import GPTModel
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.context_parallel import get_batch_on_this_cp_rank
+from megalite.planning import activations, planner
 from tests.multirank import run_on_ranks
 from tests.parallel_step import GPT2, LLAMA, SEQ, with_
 from tests.test_plan import configs
@@ -82,7 +82,7 @@ def test_ring_bytes_equal_closed_form(counts, tp, cp):
     groups = LLAMA.num_query_groups // tp
     block = 2 * (SEQ // cp) * MICRO * groups * LLAMA.head_dim
     want = LAYERS * ((cp - 1) + (2 * cp - 1)) * block * FP32
-    assert sum(planner.ring_attention_elements(SEQ, MICRO, groups, LLAMA.head_dim, cp)) * FP32 \
+    assert sum(activations.ring_attention_elements(SEQ, MICRO, groups, LLAMA.head_dim, cp)) * FP32 \
         * LAYERS == want
     for per_rank in counts:
         got = per_rank[("cp", tp, cp)]
@@ -100,7 +100,7 @@ def test_planner_splits_activations_and_counts_sp_collectives():
     plain, with_sp, with_cp = planner.plan(base), planner.plan(sp), planner.plan(cp)
     sbh = SEQ * MICRO * HIDDEN
     # fp32 selective: 66 sbh / t per layer with SP (34 sbh / t at 2 bytes), then / cp
-    per_layer = planner.activation_bytes_per_layer(SEQ, MICRO, HIDDEN, 4, 2, FP32, "selective",
+    per_layer = activations.activation_bytes_per_layer(SEQ, MICRO, HIDDEN, 4, 2, FP32, "selective",
                                                    True)
     assert per_layer == pytest.approx(66 * sbh / 2)
     assert with_sp.stages["first"].layer_activations == pytest.approx(LAYERS * per_layer)

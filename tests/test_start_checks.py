@@ -8,7 +8,7 @@ import pytest
 
 import finetune_bert
 import pretrain_gpt
-from megalite.preflight import check_writable_dir
+from megalite.training.checks import check_writable_dir
 from tests.gpt_run import make_dataset, tiny_args
 from tools import preprocess_data
 
@@ -53,7 +53,7 @@ def test_a_directory_that_refuses_files(tmp_path, monkeypatch):
     """What a read-only mount or missing permission gives (root ignores chmod, so simulated)."""
     def refuse(dir):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr("megalite.preflight.tempfile.TemporaryFile", refuse)
+    monkeypatch.setattr("megalite.training.checks.tempfile.TemporaryFile", refuse)
     with pytest.raises(ValueError) as error:
         check_writable_dir("--save", str(tmp_path / "ck"))
     assert str(error.value) == \

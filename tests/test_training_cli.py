@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megalite import checkpointing
+from megalite import checkpoint
 from megalite.config import Configs, parse_configs
 from megalite.layout import RunLayout
 from tests.gpt_run import make_dataset, tiny_args, train
@@ -99,20 +99,20 @@ def _interrupted_save(data: str, root: str) -> tuple[int, float, float]:
     """Save at iteration 2, crash while writing iteration 4, then resume from 2."""
     ck = f"{root}/ck"
     train(tiny_args(data, ck, 4, "--exit-interval", "2"))
-    real_save, calls = checkpointing.save_state, []
+    real_save, calls = checkpoint.files.save_state, []
 
     def failing_save(path, tree):  # the rank's state, written after its model file
         calls.append(path)
         raise OSError("disk full (simulated)")
-    checkpointing.save_state = failing_save
+    checkpoint.files.save_state = failing_save
     try:
         train(tiny_args(data, ck, 4, "--load", ck))
     except OSError:
         pass
     finally:
-        checkpointing.save_state = real_save
+        checkpoint.files.save_state = real_save
     resumed = train(tiny_args(data, f"{root}/again", 3, "--load", ck))
-    return checkpointing.latest_iteration(ck), min(resumed), len(calls)
+    return checkpoint.latest_iteration(ck), min(resumed), len(calls)
 
 
 def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path, data):

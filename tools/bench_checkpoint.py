@@ -5,7 +5,7 @@
 For each layout (TP2 x PP2 x DP2 ZeRO-1, DP 8 ZeRO-1, DP 8 ZeRO-3) every rank builds its shard
 of a GPT (32k vocabulary), takes one Adam step on random grads (so the optimizer state
 exists) and then, between barriers:
-- new save / new load: megalite.checkpointing (every rank writes and reads only its slices);
+- new save / new load: megalite.checkpoint (every rank writes and reads only its slices);
 - old save / old load: the previous format, re-enacted here as a reference: one process per
   stage writes the TP-gathered stage, every rank its own optimizer file; on load every rank
   reads every stage file whole and its own optimizer file (not for ZeRO-3, which it had not);
@@ -28,17 +28,18 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite import checkpointing  # noqa: E402
-from megalite.checkpoint_io import load_state, read_tensors, save_state, write_tensors  # noqa: E402
+from megalite import checkpoint  # noqa: E402
+from megalite.checkpoint.files import (load_state, read_tensors, save_state,  # noqa: E402
+                                       write_tensors)
 from megalite.config import parse_configs  # noqa: E402
 from megalite.device import current_device  # noqa: E402
+from megalite.distributed.rank_pool import run_once  # noqa: E402
 from megalite.layout import RunLayout  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
 from megalite.models.sharding import full_state_dict, load_full_state_dict  # noqa: E402
 from megalite.mpu import parallel_state as ps  # noqa: E402
 from megalite.optimizer import get_optimizer  # noqa: E402
-from megalite.rank_pool import run_once  # noqa: E402
-from megalite.training import build_model, setup_parallel  # noqa: E402
+from megalite.training.setup import build_model, setup_parallel  # noqa: E402
 
 ZERO1, ZERO3 = ["--use-distributed-optimizer"], ["--data-parallel-sharding-strategy",
                                                  "optim_grads_params"]
@@ -128,10 +129,10 @@ def bench(flags: list[str], model_flags: list[str], root: str, repeats: int) -> 
         os.makedirs(f"{root}/old", exist_ok=True)
 
     def save(async_save: bool = False, iteration: int = 1):
-        return checkpointing.save_checkpoint(f"{root}/new", iteration, model, optimizer,
+        return checkpoint.save(f"{root}/new", iteration, model, optimizer,
                                              scheduler, 0, configs.model, async_save=async_save)
     ops = {"new save": save,
-           "new load": lambda: checkpointing.load_checkpoint(f"{root}/new", model, optimizer,
+           "new load": lambda: checkpoint.load(f"{root}/new", model, optimizer,
                                                              scheduler, configs.model)}
     if configs.optimizer.sharding == "optim":  # format 2 knew no FSDP
         ops.update({"old save": lambda: _old_save(f"{root}/old", model, optimizer),
@@ -146,7 +147,7 @@ def bench(flags: list[str], model_flags: list[str], root: str, repeats: int) -> 
     wait = _timed(lambda: pending[0].finish(current_device()))
     out["async blocked"] = (blocked[0] + wait[0], max(blocked[1], wait[1]))
     out["bytes"] = sum(os.path.getsize(p) for p in
-                       Path(checkpointing.iteration_dir(f"{root}/new", 1)).glob("shard_*"))
+                       Path(checkpoint.iteration_dir(f"{root}/new", 1)).glob("shard_*"))
     return out
 
 

@@ -33,11 +33,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import pretrain_gpt  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
+from megalite.distributed.finalize import sync_shared_embedding  # noqa: E402
+from megalite.distributed.rank_pool import run_once  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
-from megalite.models.stage import build_model_chunks, sync_shared_embedding  # noqa: E402
-from megalite.mpu import (comm, destroy_model_parallel, initialize_model_parallel,  # noqa: E402
-                          model_parallel_seed, parallel_state as ps)
-from megalite.rank_pool import run_once  # noqa: E402
+from megalite.models.stage import build_model_chunks  # noqa: E402
+from megalite.mpu import (comm, destroy_model_parallel, initialize_model_parallel,
+                          model_parallel_seed)
+from megalite.mpu import parallel_state as ps  # noqa: E402
 from megalite.placement import ONE_F_ONE_B  # noqa: E402
 from megalite.schedules import get_forward_backward_func, resolve_schedule  # noqa: E402
 from megalite.schedules.accounting import schedule_bubble  # noqa: E402

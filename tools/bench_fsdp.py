@@ -13,7 +13,7 @@ tied to the embedding, no dropout). Prints three tables; asserts nothing.
    storages that live between steps on rank 0, counted after a step - parameters (the local
    shard of a DTensor), gradients (grad buffers, grad shards), the optimizer's fp32 main
    copies and its state (exp_avg, exp_avg_sq, step) - against the planner's closed form
-   (megalite.model_state for the planner's parameter count).
+   (megalite.planning.state_bytes for the planner's parameter count).
 2. Step time of each strategy at DP 2 in fp32 (median of --steps after a warm-up, ranks
    synchronised before each step) over no_shard's.
 3. megalite ZeRO-3 against transformers `LlamaForCausalLM` with `fully_shard` on each
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.rank_pool import RankPool  # noqa: E402
+from megalite.distributed.rank_pool import RankPool  # noqa: E402
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
@@ -138,7 +138,7 @@ def measure(argv: list[str], steps: int) -> dict:
 def closed_form(argv: list[str], world: int) -> float:
     """The planner's model-state bytes of rank 0 (first stage) for `argv` on `world` ranks."""
     from megalite.config import parse_configs
-    from megalite.planner import plan
+    from megalite.planning.planner import plan
     configs = parse_configs(argv)
     configs.parallel.data_parallel_size = world
     return plan(configs).stages["first"].state_bytes.total
@@ -150,6 +150,7 @@ def hf_versus_megalite(argv: list[str], steps: int) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
+
     from megalite import device
     from megalite.config import parse_configs
     from megalite.hf.llama import load_llama, to_llama_config
@@ -219,7 +220,7 @@ def main() -> None:
     mib = 2 ** 20
     print(f"Llama-shaped, {args.num_layers} layers, hidden {h}, vocab {args.vocab_size}; "
           f"gloo CPU ranks, OMP_NUM_THREADS=1\n")
-    print("1. Model state per rank, rank 0 (MiB): counted | closed form (megalite.model_state)")
+    print("1. Model state per rank, rank 0 (MiB): counted | closed form (megalite.planning.state_bytes)")
     print(f"{'DP':>2} {'precision':9} {'strategy':32} {'params':>7} {'grads':>7} {'optim.':>7} "
           f"{'total':>7} {'B/param':>7} {'closed':>7} {'ratio':>6}")
     timing = {}

@@ -55,7 +55,7 @@ from megalite.models import GPTModel, TransformerSpec  # noqa: E402
 from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
 from megalite.optimizer import get_optimizer  # noqa: E402
 from megalite.layout import RunLayout  # noqa: E402
-from megalite.training import train_step  # noqa: E402
+from megalite.training.loop import train_step  # noqa: E402
 
 H100_BF16_DENSE = 989e12
 LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0

@@ -7,7 +7,7 @@ A GPT-2-shaped model (fp32, dropout off, selective recompute) on gloo CPU ranks
 
 - memory: the bytes autograd saves for backward inside the transformer layers during one
   microbatch's forward on rank 0 (saved-tensor hooks, unique storages, parameters
-  excluded), per layer, beside megalite.planner's selective-recompute formula at e = 4
+  excluded), per layer, beside megalite.planning.planner's selective-recompute formula at e = 4
   bytes: sbh(4e + 2 + 12e/t) = sbh(18 + 48/t), and (4e + 2 + 12e) sbh/t = 66 sbh/t with
   sequence parallelism (Korthikanti's 34 sbh/t at 2 bytes), divided by cp - for TP2
   without and with --sequence-parallel and for CP in {1, 2, 4}.
@@ -29,13 +29,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.distributed import DistributedDataParallel  # noqa: E402
+from megalite.distributed.finalize import finalize_model_grads  # noqa: E402
+from megalite.distributed.rank_pool import run_once  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
-from megalite.models.stage import finalize_model_grads  # noqa: E402
 from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
 from megalite.mpu import parallel_state as ps  # noqa: E402
 from megalite.mpu.context_parallel import get_batch_on_this_cp_rank  # noqa: E402
-from megalite.planner import activation_bytes_per_layer  # noqa: E402
-from megalite.rank_pool import run_once  # noqa: E402
+from megalite.planning.activations import activation_bytes_per_layer  # noqa: E402
 
 MiB = 2 ** 20
 # name -> (world, tp, cp, sequence parallel, microbatches per step)

@@ -29,12 +29,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import pretrain_gpt  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.data.packed import (pack_examples, pad_examples,  # noqa: E402
-                                  token_weighted_batches)
+from megalite.data.packed import pack_examples, pad_examples, token_weighted_batches  # noqa: E402
+from megalite.distributed.rank_pool import run_once  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
 from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
 from megalite.mpu.document_mask import DocumentMask  # noqa: E402
-from megalite.rank_pool import run_once  # noqa: E402
 
 VOCAB = 1000
 

@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import pretrain_gpt  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.device import current_device, free_port, init_distributed  # noqa: E402
+from megalite.distributed.finalize import sync_shared_embedding  # noqa: E402
 from megalite.models import GPTModel  # noqa: E402
-from megalite.models.stage import build_model_chunks, sync_shared_embedding  # noqa: E402
+from megalite.models.stage import build_model_chunks  # noqa: E402
 from megalite.mpu import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megalite.placement import INTERLEAVED, ONE_F_ONE_B, ZB_H1, ZBV  # noqa: E402
 from megalite.schedules import SCHEDULE_KINDS, get_forward_backward_func  # noqa: E402

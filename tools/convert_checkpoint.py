@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite import checkpointing  # noqa: E402
+from megalite import checkpoint  # noqa: E402
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
 from megalite.data.tokenizers import Tokenizer, build_tokenizer  # noqa: E402
@@ -36,6 +36,7 @@ from megalite.hf.families import check_weights, family_of_config, family_of_sour
 from megalite.hf.readers import READERS, State  # noqa: E402
 from megalite.hf.tokenizer_io import export_tokenizer, source_tokenizer  # noqa: E402
 from megalite.layout import RunLayout  # noqa: E402
+
 
 def write_gpt(dst: str, full: State, config: ModelConfig, src: str) -> None:
     from transformers import GPT2LMHeadModel
@@ -105,7 +106,7 @@ def write_checkpoint(dst: str, full: State, config: ModelConfig, src: str, tp: i
                      iteration: int = 0, tokenizer: Tokenizer | None = None) -> None:
     check_target_layout(config, tp, pp)
     check_weights(full, config, src)
-    checkpointing.write_weights_checkpoint(dst, full, config, tp, pp, iteration, tokenizer)
+    checkpoint.write_weights_checkpoint(dst, full, config, tp, pp, iteration, tokenizer)
 
 
 def hf_to_megalite(model_type: str | None, src: str, dst: str, tp: int, pp: int) -> None:
@@ -115,16 +116,16 @@ def hf_to_megalite(model_type: str | None, src: str, dst: str, tp: int, pp: int)
 
 
 def megalite_to_hf(model_type: str | None, src: str, dst: str) -> None:
-    meta, full = checkpointing.read_full_model(src)
+    meta, full = checkpoint.read_full_model(src)
     config = ModelConfig(**meta["model_config"])
     check_weights(full, config, src)
     WRITERS[model_type_of(model_type, family_of_config(config), src)](dst, full, config, src)
-    export_tokenizer(checkpointing.checkpoint_tokenizer(src, meta), dst)
+    export_tokenizer(checkpoint.checkpoint_tokenizer(src, meta), dst)
 
 
 def reshard(src: str, dst: str, tp: int, pp: int) -> None:
-    meta, full = checkpointing.read_full_model(src)
-    tokenizer = checkpointing.checkpoint_tokenizer(src, meta)
+    meta, full = checkpoint.read_full_model(src)
+    tokenizer = checkpoint.checkpoint_tokenizer(src, meta)
     write_checkpoint(dst, full, ModelConfig(**meta["model_config"]), src, tp, pp,
                      meta["iteration"], tokenizer and build_tokenizer(tokenizer))
 

@@ -7,7 +7,7 @@
     python tools/plan.py --validate
 
 Model, layout, precision and recompute flags are megalite's own (megalite.config); the
-formulas are in megalite/planner.py. `--validate` prints (a) the estimate against the
+formulas are in megalite/planning/. `--validate` prints (a) the estimate against the
 peak measured in real megalite training steps on CPU ranks and (b) published Megatron-LM
 configurations. What (a) measures, per rank, in fresh gloo processes: the bytes of the
 model state after the second step (parameters or their DP shards, grad buffers or shards,
@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig,
                              build_parser, config_from_args)
-from megalite.planner import ACTIVATION_BYTES, Plan, plan, ring_wire  # noqa: E402
-from megalite.rank_pool import run_once  # noqa: E402
+from megalite.distributed.rank_pool import run_once  # noqa: E402
+from megalite.planning.activations import ACTIVATION_BYTES, ring_wire  # noqa: E402
+from megalite.planning.planner import Plan, plan  # noqa: E402
 
 GIB = 2 ** 30
 SECTIONS = (ModelConfig, ParallelConfig, PrecisionConfig, OptimizerConfig, TrainConfig)
@@ -225,8 +226,9 @@ class LiveSavedBytes:
 def measure_rank(argv: list[str]) -> dict:
     """On every rank of a fresh process group: two real training steps of the configs in
     `argv`; the model state and the peak of saved-for-backward bytes in the second."""
-    import pretrain_gpt
     from bench_fsdp import fsdp_buffers, model_state_bytes
+
+    import pretrain_gpt
     from megalite import training
     from megalite.layout import RunLayout
     from megalite.mpu import parallel_state as ps

@@ -1,5 +1,5 @@
 """Tokenizers across conversions: the one a transformers directory or a GGUF file holds goes
-into the megalite checkpoint (saved there by megalite.checkpointing), and the one a
+into the megalite checkpoint (saved there by megalite.checkpoint), and the one a
 checkpoint holds goes beside exported transformers weights."""
 import os
 

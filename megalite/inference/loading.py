@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megalite.checkpointing import checkpoint_tokenizer, read_full_model
+from megalite.checkpoint import checkpoint_tokenizer, read_full_model
 from megalite.config import ModelConfig
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.models import GPTModel

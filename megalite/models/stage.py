@@ -1,12 +1,11 @@
-"""Which part of the model a pipeline rank (and virtual chunk) builds, and the tied embedding."""
+"""Which part of the model a pipeline rank (and virtual chunk) builds, and the tied embedding's
+marking (its grads are reduced by megalite.distributed.finalize)."""
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from megalite.models.sharding import unwrap
-from megalite.mpu import comm, parallel_state
-from megalite.mpu.layers import allreduce_tp_partial_grads, zero_vocab_padding_grads
+from megalite.mpu import parallel_state
 from megalite.placement import Placement
 
 
@@ -30,6 +29,7 @@ def pipeline_layer_range(num_layers: int, pp_size: int | None = None, pp_rank: i
     return stage * per_stage, (stage + 1) * per_stage
 
 
+
 def build_model_chunks(model_provider: Callable[..., nn.Module]) -> list[nn.Module]:
     """This rank's model chunks: one per virtual rank (a list of one without VPP).
 
@@ -46,6 +46,7 @@ def build_model_chunks(model_provider: Callable[..., nn.Module]) -> list[nn.Modu
     return chunks
 
 
+
 def share_embedding_with_first_stage(weight: nn.Parameter) -> None:
     """Mark the last stage's copy of the tied word embedding.
 
@@ -54,6 +55,7 @@ def share_embedding_with_first_stage(weight: nn.Parameter) -> None:
     and checkpoints count only the first stage's copy.
     """
     weight.shared_embedding_copy = True
+
 
 
 def shared_embedding_params(model: nn.Module | list[nn.Module]) -> list[nn.Parameter]:
@@ -69,45 +71,3 @@ def shared_embedding_params(model: nn.Module | list[nn.Module]) -> list[nn.Param
     return [chunk.embedding.word_embeddings.weight for chunk in chunks
             if getattr(chunk, "shares_word_embedding", True)
             and getattr(chunk, "embedding", None) is not None]
-
-
-@torch.no_grad()
-def sync_shared_embedding(model: nn.Module | list[nn.Module]) -> None:
-    """Copy the first stage's word embedding to the last stage (broadcast on the embedding
-    group, or a local copy when this rank holds both, as rank 0 in V placement)."""
-    weights = shared_embedding_params(model)
-    if len(weights) == 2:
-        weights[1].copy_(weights[0])
-        return
-    for weight in weights:
-        comm.broadcast(weight.data, parallel_state.get_embedding_ranks()[0],
-                       parallel_state.get_embedding_group())
-
-
-def allreduce_shared_embedding_grads(model: nn.Module | list[nn.Module]) -> None:
-    """Sum the tied embedding's grad over first and last stage (embedding group, or locally
-    when this rank holds both)."""
-    grads = [weight.main_grad if hasattr(weight, "main_grad") else weight.grad
-             for weight in shared_embedding_params(model)]
-    if len(grads) == 2:
-        total = grads[0] + grads[1]
-        for grad in grads:
-            grad.copy_(total)
-        return
-    for grad in grads:
-        if grad is not None:
-            comm.all_reduce(grad, parallel_state.get_embedding_group())
-
-
-def finalize_model_grads(model: list[nn.Module]) -> None:
-    """Make every grad final after the last backward of a step (Megatron's name): finish the
-    data-parallel reduction of wrapped chunks, sum the grads that TP ranks hold only in part
-    (KV groups replicated for GQA; TP group), and the tied embedding's (embedding group);
-    zero the vocabulary padding rows' grads."""
-    for chunk in model:
-        if hasattr(chunk, "finish_grad_sync"):
-            chunk.finish_grad_sync()
-    params = [p for chunk in model for p in chunk.parameters()]
-    allreduce_tp_partial_grads(params)
-    allreduce_shared_embedding_grads(model)
-    zero_vocab_padding_grads(params)

@@ -17,7 +17,7 @@ params with the distributed optimizer). It is `grad_stats()` (device [norm, foun
 one host read, then `apply(norm, found_inf, loss_is_finite)`: the training step reads the
 grad statistics and its loss in one transfer, its one host sync. Checkpoints save each
 fragment's fp32 main params and torch optimizer state as slices of the global parameters
-(megalite.checkpoint_state: `Fragment.offset` places a fragment in its parameter), the
+(megalite.checkpoint.state: `Fragment.offset` places a fragment in its parameter), the
 scaler's and the scheduler's `state_dict()`; `optimizer.state_dict()` is this rank's state
 as one tree, loadable under the same layout only.
 """

@@ -1,8 +1,5 @@
-"""Throughput accounting: model FLOPs per iteration (Megatron's formula) and peak memory."""
-import resource
-import sys
+"""Model FLOPs per iteration (Megatron's formula), for the planner and the logged TFLOP/s."""
 
-import torch
 
 from megalite.config import ModelConfig
 from megalite.models.spec import TransformerSpec
@@ -28,11 +25,3 @@ def flops_per_iteration(config: ModelConfig, global_batch: int, seq_length: int,
                  + 3 * (1 + spec.mtp_num_layers) * spec.output_forward_flops(padded_vocab)
                  + 3 * mtp)
     return global_batch * seq_length * per_token
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated GPU memory, or the process's peak resident set on CPU, in MB."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10

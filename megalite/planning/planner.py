@@ -1,7 +1,7 @@
 """Closed-form plan of a GPT training layout: memory per rank, FLOPs, bubble, communication.
 
 The formulas are Megatron-LM's (REFERENCES.md): bytes per parameter of the model state
-under the run's sharding strategy and offload (`megalite.model_state`, the ZeRO rule) plus
+under the run's sharding strategy and offload (`megalite.planning.state_bytes`, the ZeRO rule) plus
 FSDP's gathered parameters (`fsdp_units`), activations per layer after Korthikanti et al. 2022
 (generalised to e-byte activations: masks stay 1 byte, so 2-byte sbh(34 + 5as/h) becomes
 sbh(16e + 2 + (2e + 1)as/h)), the in-flight microbatches of the pipeline schedule,
@@ -19,164 +19,32 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from megalite.config import Configs, ModelConfig
+from megalite.config import Configs
 from megalite.layout import RunLayout
-from megalite.metrics import flops_per_iteration
-from megalite.model_state import (FSDP_STRATEGIES, STATE_BYTES, StateBytes, gather_bytes,
-                                  state_bytes_per_param)
 from megalite.models.spec import TransformerSpec
-from megalite.models.stage import pipeline_layer_range
 from megalite.mpu.layers import pad_vocab_size
-from megalite.placement import GPIPE, INTERLEAVED, ZBV
+from megalite.placement import GPIPE
+from megalite.planning.activations import (ACTIVATION_BYTES, activation_bytes_per_layer,
+                                           inflight_microbatches, moe_activation_delta,
+                                           ring_attention_elements)
+from megalite.planning.flops import flops_per_iteration
+from megalite.planning.params import fsdp_units, stage_expert_params, stage_params
+from megalite.planning.state_bytes import (FSDP_STRATEGIES, STATE_BYTES, StateBytes, gather_bytes,
+                                           state_bytes_per_param)
 from megalite.schedules.accounting import schedule_bubble
 
-ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # bytes per parameter in a checkpoint: weights, fp32 masters (bf16/fp16) and Adam's 2 moments
 CHECKPOINT_BYTES = {"fp32": 4 + 8, "bf16": 2 + 4 + 8, "fp16": 2 + 4 + 8}
+
+
+
 LOSS_BYTES = 4  # logits, softmax and cross-entropy all-reduces are fp32 whatever the precision
+
 
 
 def precision_name(configs: Configs) -> str:
     return "bf16" if configs.precision.bf16 else "fp16" if configs.precision.fp16 else "fp32"
 
-
-def layer_params(model: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank (megalite.models.spec)."""
-    return TransformerSpec.from_config(model).layer_params(tp)
-
-
-def _stage_layers(model: ModelConfig, pp: int, rank: int, vpp: int) -> list[int]:
-    """Global indices of the layers on pipeline rank `rank` (all its chunks), the last rank's
-    multi-token prediction layers (numbered after the main stack) included."""
-    mtp = TransformerSpec.from_config(model).mtp_layers(model.num_layers)
-    return [layer for chunk in range(vpp)
-            for layer in range(*pipeline_layer_range(model.num_layers, pp, rank, vpp, chunk))
-            ] + (list(mtp) if rank == pp - 1 else [])
-
-
-def stage_expert_params(model: ModelConfig, tp: int, pp: int, rank: int, vpp: int = 1,
-                        ep: int = 1) -> int:
-    """MoE expert parameters on pipeline rank `rank`: E / ep experts of each of its MoE layers."""
-    spec = TransformerSpec.from_config(model)
-    return sum(spec.expert_params(tp, layer, ep) for layer in _stage_layers(model, pp, rank, vpp))
-
-
-def _end_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int
-                ) -> dict[str, int]:
-    """Parameters outside the layers on pipeline rank `rank`: the word (and learned position)
-    embeddings on the first rank; the final norm, the output layer, the multi-token
-    prediction blocks' norms and projections on the last, with a copy of the word embedding
-    when p > 1 and the head is tied or multi-token prediction embeds there."""
-    spec, h = TransformerSpec.from_config(model), model.hidden_size
-    word, out = padded_vocab * h // tp, {}
-    if rank == 0:
-        out["embedding"] = word + (model.max_position_embeddings * h
-                                   if spec.position_embedding == "learned_absolute" else 0)
-    if rank == pp - 1:
-        out["norm"] = spec.norm_params(h)
-        out["output"] = 0 if spec.tie_output else word
-        out["embedding copy"] = word if pp > 1 and (spec.tie_output or spec.mtp_num_layers) \
-            else 0
-        out["mtp"] = spec.mtp_extra_params()
-    return out
-
-
-def _layer_params(model: ModelConfig, tp: int, pp: int, rank: int, vpp: int, ep: int
-                  ) -> list[int]:
-    """Parameters of each layer on pipeline rank `rank` (an MoE layer's E / ep experts)."""
-    spec = TransformerSpec.from_config(model)
-    return [spec.layer_params(tp, layer, ep) for layer in _stage_layers(model, pp, rank, vpp)]
-
-
-def stage_params(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int,
-                 vpp: int = 1, ep: int = 1) -> int:
-    """Parameters on pipeline rank `rank` (all its chunks): its L/p layers and the
-    embedding, final norm and output layer of `_end_params`."""
-    return sum(_layer_params(model, tp, pp, rank, vpp, ep)) + sum(
-        _end_params(model, padded_vocab, tp, pp, rank).values())
-
-
-def fsdp_units(model: ModelConfig, padded_vocab: int, tp: int, pp: int, rank: int,
-               vpp: int = 1, ep: int = 1) -> tuple[int, list[int]]:
-    """(root, units): parameters of the FSDP units on pipeline rank `rank`, as
-    megalite.distributed.fsdp wraps them - each layer (an MoE layer's experts a unit of their
-    own, the multi-token prediction layers too) and the embedding - and of the root, what is
-    left: the final norm, the output layer (read through `lm_logits`, not its forward), a
-    word-embedding copy, the multi-token prediction norms and projections, and the embedding
-    too when one chunk holds it and its tied head or multi-token prediction."""
-    spec = TransformerSpec.from_config(model)
-    units = []
-    for layer in _stage_layers(model, pp, rank, vpp):
-        experts = spec.expert_params(tp, layer, ep)
-        units += [spec.layer_params(tp, layer, ep) - experts] + ([experts] if experts else [])
-    ends = _end_params(model, padded_vocab, tp, pp, rank)
-    root = sum(ends.pop(key, 0) for key in ("norm", "output", "embedding copy", "mtp"))
-    if pp == 1 and (spec.tie_output or spec.mtp_num_layers):
-        root += ends.pop("embedding")
-    return root, units + list(ends.values())
-
-
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int, act_bytes: int,
-                               recompute: str | None, sequence_parallel: bool = False) -> float:
-    """Bytes one layer keeps for backward per microbatch on one TP rank (Korthikanti et al.):
-    sbh(10 + 24/t + 5as/(ht)) at e = 2 without recompute, sbh(10 + 24/t) selective, 2sbh
-    full (the layer input); sequence parallelism also splits the first term (and the input)."""
-    e, sbh = act_bytes, s * b * h
-    split = tp if sequence_parallel else 1
-    if recompute == "full":
-        return e * sbh / split
-    per_layer = (4 * e + 2) * sbh / split + 12 * e * sbh / tp
-    if recompute is None:
-        per_layer += (2 * e + 1) * a * s * s * b / tp
-    return per_layer
-
-
-def moe_activation_delta(s: int, b: int, h: int, tp: int, act_bytes: int, model: ModelConfig
-                         ) -> float:
-    """Bytes an MoE layer keeps for backward per microbatch on one TP rank beyond the dense
-    layer of `activation_bytes_per_layer`: fp32 router logits and scores (8 sbE), the k
-    dispatched copies of each token (e k sbh; uniform routing receives as many rows as it
-    sends), the experts' hidden activations (2 or, SwiGLU, 3 x e k sb ffn_e / t) and the
-    shared expert's, in place of the dense MLP's GeLU input and output (8e sbh / t)."""
-    e, sb = act_bytes, s * b
-    per_row = 3 if model.swiglu else 2
-    hidden = model.moe_router_topk * model.moe_ffn_hidden_size \
-        + (model.moe_shared_expert_intermediate_size or 0)
-    return (8 * sb * model.num_experts + e * model.moe_router_topk * sb * h
-            + per_row * e * sb * hidden / tp - 8 * e * sb * h / tp)
-
-
-def ring_attention_elements(s: int, b: int, kv_groups: int, head_dim: int, cp: int
-                            ) -> tuple[int, int, int]:
-    """Elements one CP rank sends per layer per microbatch in ring attention: (forward K/V,
-    backward K/V, backward dK/dV). A K/V block [2, b, g, s/cp, d] travels cp - 1 hops in
-    forward and again in backward; its grads (fp32) travel cp hops, the last one home -
-    backward about twice forward. `kv_groups`: the KV groups on this TP rank."""
-    block = 2 * (s // cp) * b * kv_groups * head_dim
-    return (cp - 1) * block, (cp - 1) * block, cp * block
-
-
-def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> Fraction:
-    """Microbatches (in whole-stage units) whose activations rank `rank` holds at its peak,
-    from forward to (input-grad) backward: GPipe m; 1F1B and ZB-H1 min(p - r, m);
-    interleaved min(2(p-r-1) + (v-1)p + 1, m v) / v chunks, p (1 + (p-1)/(p v)) on rank 0
-    (Megatron's interleaving penalty); ZBV min((m + r + 1) / 2, m, p). The linear layers'
-    inputs and output grads that a deferred weight grad (W) keeps after B are not counted."""
-    if schedule == GPIPE:
-        return Fraction(m)
-    if schedule == INTERLEAVED:
-        return Fraction(min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v), v)
-    if schedule == ZBV:
-        return min(Fraction(m + rank + 1, 2), Fraction(min(m, p)))
-    return Fraction(min(p - rank, m))
-
-
-def ring_wire(kind: str, payload: float, n: int) -> float:
-    """Bytes one rank sends on a ring for a collective given `payload` bytes on each of n ranks
-    (for an all-gather the payload is the local shard, as `megalite.mpu.comm` counts it)."""
-    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "all_gather": n - 1, "send": 1}[kind]
-    return factor * payload
 
 
 @dataclass(frozen=True)
@@ -209,6 +77,7 @@ class StageMemory:
         return self.state_bytes.device + self.gather + self.activations
 
 
+
 @dataclass(frozen=True)
 class Plan:
     """Everything `plan` derives from one set of configs; stages are "first" and "last"."""
@@ -230,7 +99,7 @@ class Plan:
 
     @property
     def flops(self) -> float:
-        """Megatron's FLOPs per step (megalite.metrics; the 96 form with full recompute)."""
+        """Megatron's FLOPs per step (megalite.planning.flops; the 96 form with full recompute)."""
         return flops_per_iteration(self.configs.model, self.layout.global_batch_size,
                                    self.configs.train.seq_length, self.padded_vocab)
 
@@ -241,7 +110,7 @@ class Plan:
 
     def checkpoint_bytes(self, stage: str) -> float:
         """Bytes one rank of `stage` writes into a distributed checkpoint: its TP shard's
-        share (megalite.checkpoint_state) of weights, masters and Adam moments, split over
+        share (megalite.checkpoint.state) of weights, masters and Adam moments, split over
         the DP x CP ranks (experts over the expert-DP ranks)."""
         grid, s = self.layout.grid, self.stages[stage]
         replicas = grid.dp * grid.cp
@@ -317,6 +186,7 @@ class Plan:
         return out
 
 
+
 def _extras(configs: Configs, act_bytes: int, tp: int, sp: bool, padded_vocab: int,
             first: bool, last: bool, embedding_inflight: int, logits_inflight: int) -> float:
     """Activations outside the layers: the embedding's 1-byte dropout mask per in-flight
@@ -331,6 +201,7 @@ def _extras(configs: Configs, act_bytes: int, tp: int, sp: bool, padded_vocab: i
         extra += logits_inflight * (2 * act_bytes * s * b * h / split
                                     + LOSS_BYTES * s * b * padded_vocab / tp)
     return extra
+
 
 
 def _layer_stack(configs: Configs, layers_per_chunk: int, act_bytes: int, tp: int,
@@ -364,6 +235,7 @@ def _layer_stack(configs: Configs, layers_per_chunk: int, act_bytes: int, tp: in
     if model.recompute_method == "uniform":
         return math.ceil(layers_per_chunk / n) * per("full"), group * per(None)
     return per("full") + (layers_per_chunk - group) * per(None), group * per(None)
+
 
 
 def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:

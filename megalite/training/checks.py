@@ -6,8 +6,12 @@ node. A problem is one ValueError naming the flag.
 import os
 import tempfile
 
+from megalite import checkpoint
 from megalite.config import Configs
-from megalite.data.gpt_dataset import check_split
+from megalite.data.gpt_dataset import check_data, check_split
+from megalite.layout import RunLayout
+from megalite.training.log_writers import check_available
+from megalite.training.resilience import parse_faults
 
 
 def check_writable_dir(flag: str, path: str) -> None:
@@ -38,3 +42,27 @@ def check_start(configs: Configs) -> None:
         if path:
             check_writable_dir(flag, path)
     check_split(configs.data.split, needs_train=t.train_iters > 0)
+
+
+def check_before_start(configs: Configs, layout: RunLayout) -> None:
+    """Checks that need files but no process group: --save/--load directories, the load's
+    metadata and files (every rank sees the same files, so every rank reports the same
+    line), the optional log sinks and the fault-injection hook. Raises ValueError."""
+    ckpt, m, t = configs.checkpoint, configs.model, configs.train
+    if configs.data.data_path:  # missing, truncated, empty or out-of-vocabulary data
+        check_data(configs.data.data_path, configs.data.split, m.vocab_size,
+                   needs_train=t.train_iters > 0)
+    check_available(t.tensorboard_dir, t.wandb_project)
+    parse_faults(os.environ.get("MEGALITE_FAULT", ""))
+    start = 0
+    if ckpt.load and (meta := checkpoint.read_meta(ckpt.load)):
+        checkpoint.check_compatible(meta, m, ckpt.load,
+                                       configs.precision.params_dtype)
+        checkpoint.verify(ckpt.load, meta, layout.grid.as_dict(), layout.world_size)
+        start = meta["iteration"]
+    saved = checkpoint.latest_iteration(ckpt.save) if ckpt.save else None
+    same = ckpt.load and ckpt.save and os.path.realpath(ckpt.load) == os.path.realpath(ckpt.save)
+    if saved is not None and saved > start and not same:
+        raise ValueError(f"--save {ckpt.save} already holds iteration {saved}, newer than this "
+                         f"run's start ({start}): pass --load {ckpt.save} to resume it, or "
+                         f"another --save directory")

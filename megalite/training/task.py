@@ -14,11 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megalite import checkpointing
+from megalite import checkpoint
 from megalite.config import Configs
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.layout import RunLayout
-from megalite.train_logger import TrainingLogger, log
+from megalite.training.logger import TrainingLogger, log
 
 
 class Task:
@@ -90,7 +90,7 @@ class Run:
     losses: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float | None] = field(default_factory=dict)  # None: step skipped
     saved_at: int | None = None
-    pending_save: Any = None  # checkpointing.PendingSave of an --async-save in flight
+    pending_save: Any = None  # checkpoint.PendingSave of an --async-save in flight
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer | None:
@@ -106,7 +106,7 @@ class Run:
             return
         self.finish_saves()
         ckpt = self.configs.checkpoint
-        pending = checkpointing.save_checkpoint(
+        pending = checkpoint.save(
             root, self.iteration, self.model, self.optimizer, self.scheduler, self.consumed,
             self.configs.model, self.task.state_dict(), ckpt.keep_latest_checkpoints,
             self.tokenizer, ckpt.async_save)

@@ -7,13 +7,14 @@ from torch import nn
 
 from megalite import device
 from megalite.config import Configs
+from megalite.device import peak_memory_mb
 from megalite.layout import RunLayout
-from megalite.log_writers import ScalarWriters
-from megalite.metrics import flops_per_iteration, peak_memory_mb
 from megalite.models.transformer_stage import moe_states
 from megalite.moe.stats import reduce_mtp_loss, reduce_step_stats
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import pad_vocab_size
+from megalite.planning.flops import flops_per_iteration
+from megalite.training.log_writers import ScalarWriters
 
 
 def log(message: str) -> None:

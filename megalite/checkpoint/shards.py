@@ -16,9 +16,9 @@ import os
 import torch
 from safetensors import safe_open
 
-from megalite.checkpoint_io import (CheckpointFileError, read_json, safetensors_shapes,
-                                    write_json, write_tensors)
-from megalite.checkpoint_slices import Box, box_slices
+from megalite.checkpoint.files import (CheckpointFileError, read_json, safetensors_shapes,
+                                       write_json, write_tensors)
+from megalite.checkpoint.slices import Box, box_slices
 
 INDEX = "index.json"
 

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.checkpoint_shards import ShardReader, ShardWriter
-from megalite.distributed.fsdp import fsdp_shard_start
-from megalite.checkpoint_slices import (box_slices, box_view, even_range, expert_placement,
+from megalite.checkpoint.shards import ShardReader, ShardWriter
+from megalite.checkpoint.slices import (box_slices, box_view, even_range, expert_placement,
                                         flat_boxes, global_shape, to_global, writes_param)
+from megalite.distributed.fsdp import fsdp_shard_start
 from megalite.models.sharding import full_names, is_dtensor, persistent_buffers, unwrap
 from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps

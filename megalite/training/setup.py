@@ -1,0 +1,88 @@
+"""Run set-up: the process grid, the model chunks wrapped by the sharding strategy, and the
+start-up lines about the pipeline and the model state.
+"""
+from collections.abc import Callable
+
+import torch
+
+from megalite import device
+from megalite.config import Configs
+from megalite.distributed import DistributedDataParallel
+from megalite.distributed.finalize import sync_shared_embedding
+from megalite.distributed.fsdp import FULLY_SHARDED, shard_model
+from megalite.layout import RunLayout
+from megalite.models.stage import build_model_chunks
+from megalite.mpu import initialize_model_parallel, model_parallel_seed
+from megalite.mpu import parallel_state as ps
+from megalite.mpu.layers import pad_vocab_size
+from megalite.planning import params as param_counts
+from megalite.planning import planner, state_bytes
+from megalite.schedules.accounting import pipeline_summary
+from megalite.training.logger import log
+
+
+def log_pipeline(configs: Configs, layout: RunLayout) -> None:
+    """Log what the pipeline costs: schedule, p, v, m, bubble and peak in-flight microbatches
+    per rank (from the schedule's table), and a warning when m < p."""
+    pp, m = layout.grid.pp, layout.num_microbatches
+    if pp == 1:
+        return
+    log(pipeline_summary(layout.schedule.name, pp, m, layout.chunks_per_rank))
+    if m < pp:
+        need = layout.micro_batch_size * layout.data_parallel_size * pp
+        log(f"WARNING: {m} microbatch(es) per step through {pp} pipeline stages: ranks idle "
+            f"most of the step; raise --global-batch-size to at least {need} (micro batch x DP "
+            f"x PP), better 4x that")
+
+
+
+def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Module]) -> None:
+    """Log rank 0's model-state bytes from the planner's formula (megalite.planning.state_bytes) for its
+    parameters (dense ones sharded over DP x CP, experts over expert-DP)."""
+    params = [p for chunk in model for p in chunk.parameters()]
+    expert = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
+    g, precision = layout.grid, planner.precision_name(configs)
+    padded = pad_vocab_size(configs.model.vocab_size, configs.model.make_vocab_size_divisible_by,
+                            g.tp)
+    stage = sum(p.numel() for p in params)
+    root, units = param_counts.fsdp_units(configs.model, padded, g.tp, g.pp, 0,
+                                     layout.chunks_per_rank, g.ep)
+    gather = state_bytes.gather_bytes(precision, layout.sharding, stage, root, max(units),
+                                      g.pp > 1, layout.num_microbatches)
+    log(state_bytes.describe(precision, layout.sharding, g.dp * g.cp, g.ep,
+                             layout.cpu_offload, stage - expert, expert,
+                             gather))
+
+
+
+def setup_parallel(configs: Configs, layout: RunLayout) -> None:
+    """Join the job, build the process grid of the layout and seed the RNG streams."""
+    timeout_s = configs.parallel.distributed_timeout_minutes * 60
+    device.init_distributed(timeout_s=timeout_s)
+    device.set_tf32(configs.precision.tf32)
+    if configs.precision.deterministic_mode:
+        device.use_deterministic_kernels()
+    initialize_model_parallel(grid=layout.grid, timeout_s=timeout_s)
+    model_parallel_seed(configs.train.seed, ps.get_tensor_model_parallel_rank(),
+                        ps.get_pipeline_model_parallel_rank())
+
+
+
+def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Module]:
+    """This rank's model chunks (one, or v with interleaving), on device, wrapped for DP:
+    DistributedDataParallel (no_shard, optim: megalite's grad buffer) or fully sharded
+    (optim_grads, optim_grads_params: torch FSDP2, megalite.distributed.fsdp).
+
+    `model_provider(pre_process=..., post_process=...)` builds the chunk of the current
+    virtual rank (see megalite.models.stage.build_model_chunks).
+    """
+    chunks = build_model_chunks(model_provider)
+    sync_shared_embedding(chunks)
+    o = configs.optimizer
+    if o.sharding in FULLY_SHARDED:
+        return [shard_model(chunk, o.sharding, configs.precision.params_dtype,
+                            o.optimizer_cpu_offload) for chunk in chunks]
+    return [DistributedDataParallel(chunk, bucket_size=o.ddp_bucket_size,
+                                    overlap_grad_reduce=o.overlap_grad_reduce,
+                                    use_distributed_optimizer=o.sharding == "optim")
+            for chunk in chunks]
