@@ -99,18 +99,18 @@ def _interrupted_save(data: str, root: str) -> tuple[int, float, float]:
     """Save at iteration 2, crash while writing iteration 4, then resume from 2."""
     ck = f"{root}/ck"
     train(tiny_args(data, ck, 4, "--exit-interval", "2"))
-    real_save, calls = checkpoint.files.save_state, []
+    real_save, calls = checkpoint.saving.save_state, []
 
     def failing_save(path, tree):  # the rank's state, written after its model file
         calls.append(path)
         raise OSError("disk full (simulated)")
-    checkpoint.files.save_state = failing_save
+    checkpoint.saving.save_state = failing_save
     try:
         train(tiny_args(data, ck, 4, "--load", ck))
     except OSError:
         pass
     finally:
-        checkpoint.files.save_state = real_save
+        checkpoint.saving.save_state = real_save
     resumed = train(tiny_args(data, f"{root}/again", 3, "--load", ck))
     return checkpoint.latest_iteration(ck), min(resumed), len(calls)
 
