@@ -1,5 +1,6 @@
 """The README and docs/ against the repository: every `--flag` they give a script exists in
-that script's parser, and every repository path and relative link they name exists.
+that script's parser, and every repository path and relative link (with its heading) they name
+exists.
 
 Commands are read from code blocks and inline code (`python3 pretrain_gpt.py --tp 2`,
 `torchrun ... finetune_gpt.py ...`, `bash tools/run_multinode.sh ...`): the flags after the
@@ -204,6 +205,17 @@ def blocks(text: str):
         yield start, " ".join(para), False
 
 
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to -."""
+    found, in_code = set(), False
+    for line in page.read_text().split("\n"):
+        in_code ^= bool(FENCE.match(line))
+        if line.startswith("#") and not in_code:
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
 def page_name(page: Path) -> str:
     return page.relative_to(ROOT).as_posix() if page.is_relative_to(ROOT) else page.name
 
@@ -243,10 +255,14 @@ def read_page(page: Path) -> tuple[list[Mention], list[tuple[int, str]], list[st
                          for m in FLAG.finditer(prose) for flag in expand(m)]
     missing_links = []
     for target in LINK.findall(text):
-        if re.match(r"[a-z]+:|#", target):
+        if re.match(r"[a-z]+:", target):
             continue
-        if not (page.parent / target.split("#")[0]).exists():
+        file, _, anchor = target.partition("#")
+        linked = page.parent / file if file else page
+        if not linked.exists():
             missing_links.append(f"{name}: link target {target} does not exist")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            missing_links.append(f"{name}: link target {target}: no such heading")
     return mentions, paths, missing_links
 
 
@@ -306,16 +322,20 @@ def test_docs_name_real_flags_and_paths():
         problems)
 
 
-def test_a_misspelled_flag_and_a_missing_path_are_caught(tmp_path, monkeypatch):
+def test_a_misspelled_flag_a_missing_path_and_a_missing_heading_are_caught(tmp_path, monkeypatch):
     page = tmp_path / "page.md"
     page.write_text("Train with `python3 pretrain_gpt.py --tp 2 --tensor-paralel 2` and read\n"
                     "`megalite/no_such_module.py`.\n\n"
                     "```bash\ntorchrun --nproc_per_node 2 tools/plan.py --tp 2 \\\n"
-                    "  --no-such-plan-flag 1   # then --no-such-flag-anywhere\n```\n")
+                    "  --no-such-plan-flag 1   # then --no-such-flag-anywhere\n```\n\n"
+                    "See [the title](other.md#title) and [nothing](other.md#no-such-heading).\n")
+    (tmp_path / "other.md").write_text("# Title\n")
     monkeypatch.setattr(sys.modules[__name__], "PAGES", [page])
     problems = "\n".join(check_docs())
     assert "--tensor-paralel is not a flag of pretrain_gpt.py" in problems
     assert "--no-such-plan-flag is not a flag of tools/plan.py" in problems
     assert "--no-such-flag-anywhere is a flag of no script" in problems
     assert "path megalite/no_such_module.py does not exist" in problems
+    assert "other.md#no-such-heading: no such heading" in problems
+    assert "other.md#title" not in problems
     assert "--tp is not" not in problems and "--nproc_per_node" not in problems
