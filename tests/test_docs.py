@@ -5,7 +5,7 @@ exists.
 Commands are read from code blocks and inline code (`python3 pretrain_gpt.py --tp 2`,
 `torchrun ... finetune_gpt.py ...`, `bash tools/run_multinode.sh ...`): the flags after the
 script belong to it (those before it to python, torchrun or srun). A flag named in prose is
-given to the one script its paragraph names; with none or several, it must be a flag of at
+given to the one script its sentence names; with none or several, it must be a flag of at
 least one script. The flags of a script are read from its `--help`, which every script prints
 from the parser it really uses; the scripts run in forked children of one helper process that
 imported torch once, so the test takes seconds. A failure lists every missing flag and path.
@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PATH_ROOTS = ("megalite", "tools", "tests", "docs", "benchmarks")
 SCRIPT_DIRS = ("tools", "benchmarks")
+LAUNCHERS = {"python", "python3", "torchrun", "bash", "sh", "srun"}
 # Scripts whose arguments go to another script's parser.
 FORWARDS = {"tools/run_multinode.sh": "pretrain_gpt.py"}
 # Flags of other programs (pip, torchrun, pytest) that prose may name.
@@ -116,9 +117,6 @@ def script_pattern() -> re.Pattern:
     return re.compile(r"(?<![\w/.-])((?:%s)/[\w-]+\.(?:py|sh)|%s)(?![\w/-])" % (dirs, names))
 
 
-LAUNCHERS = {"python", "python3", "torchrun", "bash", "sh", "srun"}
-
-
 def is_script(token: str, launched: bool) -> bool:
     """Whether `token` is a script of this repository: tools/X.py, benchmarks/X.py, an entry
     script, or any X.py right after python/torchrun (so a misspelled entry script is seen)."""
@@ -167,7 +165,7 @@ def command_flags(command: str) -> tuple[list[tuple[str, str]], list[str]]:
 
 def blocks(text: str):
     """(first line number, text, is_code) of each code line (continuations joined) and each
-    prose paragraph (list items apart)."""
+    prose paragraph (list items, headings and table rows apart)."""
     lines, para, start = text.split("\n"), [], 0
     in_code, pending, pending_start = False, "", 0
     for number, line in enumerate(lines, 1):
@@ -187,7 +185,7 @@ def blocks(text: str):
             yield pending_start, pending + line, True
             pending = ""
             continue
-        if line.startswith("#"):
+        if line.startswith(("#", "|")):  # a heading or a table row stands alone
             if para:
                 yield start, " ".join(para), False
             yield number, line, False
@@ -284,10 +282,10 @@ def help_flags(scripts: tuple[str, ...]) -> dict[str, set[str] | str]:
     return flags
 
 
-def check_docs() -> list[str]:
-    """Every problem of the README and docs/, one line each."""
+def check_docs(pages: list[Path]) -> list[str]:
+    """Every problem of `pages`, one line each."""
     problems, mentions, paths = [], [], []
-    for page in PAGES:
+    for page in pages:
         page_mentions, page_paths, missing_links = read_page(page)
         mentions += page_mentions
         paths += [(page_name(page), line, p) for line, p in page_paths]
@@ -317,25 +315,25 @@ def check_docs() -> list[str]:
 
 
 def test_docs_name_real_flags_and_paths():
-    problems = check_docs()
+    problems = check_docs(PAGES)
     assert not problems, f"{len(problems)} problems in README.md and docs/:\n" + "\n".join(
         problems)
 
 
-def test_a_misspelled_flag_a_missing_path_and_a_missing_heading_are_caught(tmp_path, monkeypatch):
+def test_misspelled_flags_scripts_paths_and_headings_are_caught(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("Train with `python3 pretrain_gpt.py --tp 2 --tensor-paralel 2` and read\n"
-                    "`megalite/no_such_module.py`.\n\n"
+                    "`megalite/no_such_module.py`; or `python3 pretrain_gtp.py --tp 2`.\n\n"
                     "```bash\ntorchrun --nproc_per_node 2 tools/plan.py --tp 2 \\\n"
                     "  --no-such-plan-flag 1   # then --no-such-flag-anywhere\n```\n\n"
                     "See [the title](other.md#title) and [nothing](other.md#no-such-heading).\n")
     (tmp_path / "other.md").write_text("# Title\n")
-    monkeypatch.setattr(sys.modules[__name__], "PAGES", [page])
-    problems = "\n".join(check_docs())
+    problems = "\n".join(check_docs([page]))
     assert "--tensor-paralel is not a flag of pretrain_gpt.py" in problems
     assert "--no-such-plan-flag is not a flag of tools/plan.py" in problems
     assert "--no-such-flag-anywhere is a flag of no script" in problems
     assert "path megalite/no_such_module.py does not exist" in problems
+    assert "path pretrain_gtp.py does not exist" in problems
     assert "other.md#no-such-heading: no such heading" in problems
     assert "other.md#title" not in problems
     assert "--tp is not" not in problems and "--nproc_per_node" not in problems
