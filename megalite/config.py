@@ -292,8 +292,8 @@ class PrecisionConfig:
 class OptimizerConfig:
     """Optimizer, learning-rate schedule, clipping and the data-parallel gradient buffer."""
 
-    optimizer: str = arg("adam", "the name of an OptimizerKind of megalite/optimizer/kinds.py "
-                         "(default: AdamW, decoupled weight decay)")
+    optimizer: str = arg("adam", "an OptimizerKind of megalite/optimizer/kinds.py, by name "
+                         "(adam: AdamW, decoupled weight decay)")
     lr: float = arg(6e-4, "peak learning rate")
     min_lr: float = arg(0.0, "learning rate at the end of decay (at most --lr)")
     lr_decay_style: str = arg("cosine", "decay after warm-up",
