@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from megalite.config import (Configs, ModelConfig, OptimizerConfig, ParallelConfig,
                              TrainConfig)
-from megalite.mpu.attention import check_attention_split
 from megalite.distributed.reducers import default_reducer
+from megalite.mpu.attention import check_attention_split
 from megalite.mpu.parallel_state import GridLayout
 from megalite.optimizer.kinds import optimizer_kind
 from megalite.optimizer.scheduler import check_decay_iters

@@ -6,8 +6,8 @@ strategy: what it shards over DP x CP (experts: expert-DP), how a model chunk is
 `fully_shard`, megalite.distributed.fsdp), which megalite.optimizer class steps it, what it
 allows (a split backward, an offload tier) and its model-state bytes per parameter (the
 ZeRO rule). Training, the optimizer, the layout checks, the planner and the DP wrappers read
-these fields; none of them names a strategy. Adding a strategy that runs on the existing
-wrappers and optimizer classes is one record in STRATEGIES.
+these fields; none of them branches on a strategy's name. Adding a strategy that runs on the
+existing wrappers and optimizer classes is one record in STRATEGIES.
 
 A leaf (no megalite imports), like megalite.placement: megalite.config reads the names for
 the parser's choices and help, and megalite.config sits below megalite.distributed and
@@ -32,7 +32,6 @@ class ShardingStrategy:
     """One data-parallel sharding strategy, as data (see the module docstring)."""
 
     name: str                     # --data-parallel-sharding-strategy
-    zero_stage: int               # Rajbhandari et al. 2020's stage (0: plain DDP)
     sharded: tuple[str, ...]      # COMPONENTS split over the DP ranks (the ZeRO rule)
     fsdp: bool                    # wrapped by torch FSDP2 fully_shard, else megalite's grad buffer
     optimizer: str                # MIXED_PRECISION, DISTRIBUTED or FULLY_SHARDED
@@ -73,16 +72,16 @@ class ShardingStrategy:
 
 
 NO_SHARD = ShardingStrategy(
-    "no_shard", zero_stage=0, sharded=(), fsdp=False, optimizer=MIXED_PRECISION,
+    "no_shard", sharded=(), fsdp=False, optimizer=MIXED_PRECISION,
     split_backward=True, offload=False, summary="DDP")
 OPTIM = ShardingStrategy(
-    "optim", zero_stage=1, sharded=(OPTIMIZER,), fsdp=False, optimizer=DISTRIBUTED,
+    "optim", sharded=(OPTIMIZER,), fsdp=False, optimizer=DISTRIBUTED,
     split_backward=True, offload=True, summary="ZeRO-1, the distributed optimizer")
 OPTIM_GRADS = ShardingStrategy(
-    "optim_grads", zero_stage=2, sharded=(GRADS, OPTIMIZER), fsdp=True, optimizer=FULLY_SHARDED,
+    "optim_grads", sharded=(GRADS, OPTIMIZER), fsdp=True, optimizer=FULLY_SHARDED,
     split_backward=False, offload=True, summary="ZeRO-2; FSDP2")
 OPTIM_GRADS_PARAMS = ShardingStrategy(
-    "optim_grads_params", zero_stage=3, sharded=COMPONENTS, fsdp=True, optimizer=FULLY_SHARDED,
+    "optim_grads_params", sharded=COMPONENTS, fsdp=True, optimizer=FULLY_SHARDED,
     split_backward=False, offload=True, summary="ZeRO-3; FSDP2")
 STRATEGIES = (NO_SHARD, OPTIM, OPTIM_GRADS, OPTIM_GRADS_PARAMS)
 STRATEGY_NAMES = tuple(s.name for s in STRATEGIES)

@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # imported where used: torch.distributed.tensor costs 0.7 s a
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
+
 class FullyShardedChunk(ChunkWrapper):
     """One model chunk sharded by `shard_model`, with DistributedDataParallel's step interface
     (`no_sync`, `finish_grad_sync`, `zero_grad_buffer`); calls and unknown attributes go to

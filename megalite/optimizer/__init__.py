@@ -53,7 +53,7 @@ def get_optimizer(opt_config: OptimizerConfig, precision: PrecisionConfig,
                             "first")
         if chunk.strategy.name != opt_config.sharding:
             raise ValueError(f"get_optimizer: the chunk is wrapped for sharding "
-                             f"{chunk.strategy!r}, but --data-parallel-sharding-strategy / "
+                             f"{chunk.strategy.name!r}, but --data-parallel-sharding-strategy / "
                              f"--use-distributed-optimizer ask for {opt_config.sharding!r}")
     cls = OPTIMIZER_CLASSES[sharding.sharding_strategy(opt_config.sharding).optimizer]
     optimizer = cls(chunks, opt_config, precision)

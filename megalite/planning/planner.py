@@ -112,8 +112,9 @@ class Plan:
         over the expert-DP ranks)."""
         grid, s = self.layout.grid, self.stages[stage]
         replicas = grid.dp * grid.cp
-        per_param = (PARAM_GRAD_BYTES[self.precision][0] + (self.precision != "fp32") * FP32
-                     + optimizer_state_bytes(self.configs.optimizer))
+        weights, _ = PARAM_GRAD_BYTES[self.precision]
+        masters = 0 if self.precision == "fp32" else FP32
+        per_param = weights + masters + optimizer_state_bytes(self.configs.optimizer)
         return per_param * (
             (s.params - s.expert_params) / replicas + s.expert_params * grid.ep / replicas)
 
