@@ -15,15 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.placement import INTERLEAVED, ONE_F_ONE_B, PIPELINE_SCHEDULES, ZB_H1, ZBV
+from megalite.sharding import NO_SHARD, OPTIM, STRATEGIES, STRATEGY_NAMES
 
 
 def arg(default, help: str, aliases: tuple[str, ...] = (), choices=None, **kw):
     """A dataclass field documented for the generated command line."""
     factory = {"default_factory": default} if callable(default) else {"default": default}
     return field(metadata={"help": help, "aliases": aliases, "choices": choices, **kw}, **factory)
-
-
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass
@@ -294,7 +292,8 @@ class PrecisionConfig:
 class OptimizerConfig:
     """Optimizer, learning-rate schedule, clipping and the data-parallel gradient buffer."""
 
-    optimizer: str = arg("adam", "AdamW (decoupled weight decay) or SGD", choices=("adam", "sgd"))
+    optimizer: str = arg("adam", "an OptimizerKind of megalite/optimizer/kinds.py, by name "
+                         "(adam: AdamW, decoupled weight decay)")
     lr: float = arg(6e-4, "peak learning rate")
     min_lr: float = arg(0.0, "learning rate at the end of decay (at most --lr)")
     lr_decay_style: str = arg("cosine", "decay after warm-up",
@@ -310,10 +309,10 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = arg(
         False, "shard optimizer state over DP (ZeRO-1): --data-parallel-sharding-strategy optim")
     data_parallel_sharding_strategy: str | None = arg(
-        None, "what data parallelism shards over DP x CP: no_shard (DDP), optim (ZeRO-1, the "
-        "distributed optimizer), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3; FSDP2) "
-        "(default: optim with --use-distributed-optimizer, else no_shard)",
-        choices=SHARDING_STRATEGIES)
+        None, "what data parallelism shards over DP x CP: "
+        + ", ".join(f"{s.name} ({s.summary})" for s in STRATEGIES)
+        + f" (default: {OPTIM.name} with --use-distributed-optimizer, else {NO_SHARD.name})",
+        choices=STRATEGY_NAMES)
     optimizer_cpu_offload: bool = arg(
         False, "fp32 master params and optimizer state in host memory, stepped there (needs a "
         "sharded strategy; with optim_grads_params the sharded params too)")
@@ -325,7 +324,7 @@ class OptimizerConfig:
     def sharding(self) -> str:
         """The data-parallel sharding strategy (--use-distributed-optimizer: optim)."""
         return self.data_parallel_sharding_strategy or (
-            "optim" if self.use_distributed_optimizer else "no_shard")
+            OPTIM.name if self.use_distributed_optimizer else NO_SHARD.name)
 
     def __post_init__(self) -> None:
         if self.min_lr > self.lr:

@@ -13,10 +13,13 @@ from dataclasses import dataclass
 
 from megalite.config import (Configs, ModelConfig, OptimizerConfig, ParallelConfig,
                              TrainConfig)
+from megalite.distributed.reducers import default_reducer
 from megalite.mpu.attention import check_attention_split
 from megalite.mpu.parallel_state import GridLayout
+from megalite.optimizer.kinds import optimizer_kind
 from megalite.optimizer.scheduler import check_decay_iters
 from megalite.schedules import ScheduleKind, resolve_schedule, schedule_kind
+from megalite.sharding import STRATEGIES, ShardingStrategy, sharding_strategy
 
 
 @dataclass(frozen=True)
@@ -30,8 +33,12 @@ class RunLayout:
     num_microbatches: int      # per step per DP rank
     seq_length: int
     sequence_parallel: bool
-    sharding: str              # no_shard (DDP), optim (ZeRO-1), optim_grads, optim_grads_params
+    sharding: str              # --data-parallel-sharding-strategy (a megalite.sharding record)
     cpu_offload: bool = False  # --optimizer-cpu-offload
+
+    @property
+    def strategy(self) -> ShardingStrategy:
+        return sharding_strategy(self.sharding)
 
     @property
     def world_size(self) -> int:
@@ -94,19 +101,31 @@ class RunLayout:
 
 
 def check_sharding(o: OptimizerConfig, schedule: ScheduleKind) -> None:
-    """One clear ValueError for a sharding strategy the run cannot use."""
-    strategy = o.sharding
-    if o.use_distributed_optimizer and strategy == "no_shard":
-        raise ValueError("--use-distributed-optimizer shards the optimizer state: it cannot go "
-                         "with --data-parallel-sharding-strategy no_shard")
-    if o.optimizer_cpu_offload and strategy == "no_shard":
-        raise ValueError("--optimizer-cpu-offload needs a sharded --data-parallel-sharding-"
-                         "strategy (optim, optim_grads or optim_grads_params)")
-    if strategy in ("optim_grads", "optim_grads_params") and schedule.split_backward:
-        raise ValueError(f"--data-parallel-sharding-strategy {strategy} cannot run the "
-                         f"{schedule.name} schedule: it defers weight gradients past the "
-                         f"backward whose end FSDP reduce-scatters them at (use 1f1b or "
-                         f"interleaved, or --data-parallel-sharding-strategy optim)")
+    """One clear ValueError for an optimizer or sharding strategy the run cannot use (the
+    rules read the megalite.sharding and megalite.optimizer.kinds records)."""
+    strategy, kind = sharding_strategy(o.sharding), optimizer_kind(o.optimizer)
+    flag = "--data-parallel-sharding-strategy"
+    if o.use_distributed_optimizer and not strategy.shards_optimizer:
+        raise ValueError(f"--use-distributed-optimizer shards the optimizer state: it cannot go "
+                         f"with {flag} {strategy.name}")
+    if o.optimizer_cpu_offload and not strategy.offload:
+        raise ValueError(f"--optimizer-cpu-offload needs a sharded {flag} ("
+                         f"{_names(s for s in STRATEGIES if s.offload)})")
+    if schedule.split_backward and not strategy.split_backward:
+        raise ValueError(f"{flag} {strategy.name} cannot run the {schedule.name} schedule: it "
+                         f"defers weight gradients past the backward whose end FSDP "
+                         f"reduce-scatters them at (use 1f1b or interleaved, or {flag} "
+                         f"{_names(s for s in STRATEGIES if s.split_backward)})")
+    if strategy.fsdp and kind.reducer is not default_reducer:
+        raise ValueError(f"--optimizer {kind.name} sends gradients through its own reducer, "
+                         f"which FSDP2 does not run: {flag} {strategy.name} cannot go with it "
+                         f"(use {_names(s for s in STRATEGIES if not s.fsdp)})")
+
+
+def _names(strategies) -> str:
+    """'a, b or c'."""
+    names = [s.name for s in strategies]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def global_batch_size(train: TrainConfig, data_parallel_size: int) -> int:

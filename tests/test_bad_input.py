@@ -11,8 +11,8 @@ import torch
 import pretrain_gpt
 from megalite.config import parse_configs
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
-from megalite.optimizer.optimizer import (apex_fused_adam, load_portable_state_dict,
-                                          portable_state_dict)
+from megalite.optimizer.kinds import apex_fused_adam
+from megalite.optimizer.optimizer import load_portable_state_dict, portable_state_dict
 from megalite.layout import RunLayout
 from megalite.training.checks import check_before_start
 from tests.gpt_run import VOCAB, make_dataset, make_sp_model, tiny_args, train

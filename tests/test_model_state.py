@@ -8,8 +8,8 @@ import pytest
 from megalite.config import ModelConfig
 from megalite.models import GPTModel
 from megalite.planning import params as param_counts
-from megalite.planning.state_bytes import (STRATEGIES, gather_bytes, state_bytes_per_param,
-                                           zero_bytes)
+from megalite.planning.state_bytes import gather_bytes, state_bytes_per_param, zero_bytes
+from megalite.sharding import STRATEGY_NAMES as STRATEGIES
 
 NS = (1, 2, 4, 8)
 

@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from megalite.distributed.rank_pool import RankPool  # noqa: E402
+from megalite.sharding import STRATEGY_NAMES as STRATEGIES  # noqa: E402
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
          "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
          "--hidden-dropout", "0", "--attention-dropout", "0"]

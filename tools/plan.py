@@ -39,6 +39,7 @@ from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
 from megalite.distributed.rank_pool import run_once  # noqa: E402
 from megalite.planning.activations import ACTIVATION_BYTES, ring_wire  # noqa: E402
 from megalite.planning.planner import Plan, plan  # noqa: E402
+from megalite.sharding import STRATEGY_NAMES  # noqa: E402
 
 GIB = 2 ** 30
 SECTIONS = (ModelConfig, ParallelConfig, PrecisionConfig, OptimizerConfig, TrainConfig)
@@ -159,7 +160,7 @@ MEASURED = {  # name -> (world size, flags)
     **{f"fp32 DP2 {strategy}, selective": (2, SMALL + [
         "--dp", "2", "--recompute-granularity", "selective",
         "--data-parallel-sharding-strategy", strategy])
-       for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params")},
+       for strategy in STRATEGY_NAMES},
     "bf16 DP2 optim_grads_params, selective": (2, SMALL + [
         "--bf16", "--dp", "2", "--recompute-granularity", "selective",
         "--data-parallel-sharding-strategy", "optim_grads_params"]),

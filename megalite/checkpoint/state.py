@@ -6,8 +6,10 @@ range it owns over data parallelism: its distributed-optimizer fragment (ZeRO-1)
 split of the parameter over its DP group (the DP x CP group; the expert-DP group for experts),
 so the ranks of a DP group write disjoint parts in parallel. With the range go the weights
 ("model"), the fp32 master copy ("main", bf16/fp16 runs) and the optimizer's per-element state
-("optim.exp_avg", ...); per-parameter scalars (Adam's step) go to the index. A rank loads its
-whole TP-local parameter and, for the optimizer, the range of each of its fragments.
+("optim.exp_avg", ...); per-parameter scalars (Adam's step) go to the index. Which state keys
+and scalars an optimizer has is its megalite.optimizer.kinds record's `state_keys` and
+`scalar_keys`. A rank loads its whole TP-local parameter and, for the optimizer, the range of
+each of its fragments.
 """
 import math
 from dataclasses import dataclass
@@ -89,11 +91,15 @@ def local_values(param: nn.Parameter) -> tuple[torch.Tensor, int]:
     return param.detach().view(-1), 0
 
 
-def _flat_sources(fragment, state: dict) -> dict[str, tuple[torch.Tensor, int]]:
+def _state_kinds(optimizer) -> list[str]:
+    """The checkpoint kinds of the optimizer's per-element state ("optim.exp_avg", ...)."""
+    return [f"optim.{key}" for key in optimizer.kind.state_keys(optimizer.config)]
+
+
+def _flat_sources(fragment, state: dict, kinds: list[str]) -> dict[str, tuple[torch.Tensor, int]]:
     """{kind: (flat tensor, its offset in the param)} of a fragment's master copy and state."""
-    n = fragment.main.numel()
-    sources = {f"optim.{key}": (value.view(-1), fragment.offset) for key, value in state.items()
-               if torch.is_tensor(value) and value.numel() == n and value.ndim > 0}
+    sources = {kind: (state[kind.removeprefix("optim.")].view(-1), fragment.offset)
+               for kind in kinds if kind.removeprefix("optim.") in state}
     if fragment.target is not None:
         sources["main"] = (fragment.main.view(-1), fragment.offset)
     return sources
@@ -105,7 +111,7 @@ def collect_shards(model: list[nn.Module], optimizer, writer: ShardWriter) -> No
     tp_rank, tp = _tp()
     fragments = {id(f.model_param): f for f in optimizer.fragments}
     distributed = isinstance(optimizer, DistributedOptimizer)  # fragments split over DP
-    states = optimizer.optimizer.state
+    states, kinds = optimizer.optimizer.state, _state_kinds(optimizer)
     for name, param, chunk in named_parameters(model):
         if getattr(param, "shared_embedding_copy", False) or not writes_param(param, tp_rank, tp):
             continue
@@ -117,9 +123,8 @@ def collect_shards(model: list[nn.Module], optimizer, writer: ShardWriter) -> No
         sources = {"model": local_values(param)}  # under FSDP: the fragment's own range
         if fragment is not None:
             state = states.get(fragment.main, {})
-            sources.update(_flat_sources(fragment, state))
-            scalars = {k: float(v) for k, v in state.items()
-                       if not torch.is_tensor(v) or v.ndim == 0}
+            sources.update(_flat_sources(fragment, state, kinds))
+            scalars = {k: float(state[k]) for k in optimizer.kind.scalar_keys if k in state}
             for entry in entries(name, param) if scalars else []:
                 writer.scalars[entry.name] = scalars
         for entry, a, b, box, sub, glob in _pieces(name, param, start, end):
@@ -158,7 +163,7 @@ def load_optimizer(reader: ShardReader, model: list[nn.Module], optimizer) -> No
     """Fill each fragment's fp32 master copy and optimizer state from the checkpoint's slices
     (any saved layout and ZeRO sharding); the per-parameter scalars from the index."""
     names = {id(param): name for name, param, _ in named_parameters(model)}
-    kinds = [k for k in reader.index if k.startswith("optim.")]
+    kinds = [k for k in _state_kinds(optimizer) if k in reader.index]
     torch_optimizer = optimizer.optimizer
     order = {id(p): i for i, p in enumerate(p for g in torch_optimizer.param_groups
                                             for p in g["params"])}

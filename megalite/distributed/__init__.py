@@ -14,6 +14,8 @@ keeps its own (`DistributedDataParallel` here, not torch's):
   splits evenly across DP ranks; buckets are reduce-scattered and each rank's optimizer
   steps only its shard, then all-gathers the params (which are views into a matching
   param buffer).
+- a reducer per bucket (megalite.distributed.reducers.GradReducer): how its flat grads
+  travel, the all-reduce or reduce-scatter by default; an optimizer kind may supply its own.
 - explicit gradient accumulation: `no_sync()` for all but the last microbatch, and
   `finish_grad_sync()` at a point the training step chooses (before the tied-embedding
   all-reduce and the optimizer), which also works under pipeline schedules that run
@@ -25,5 +27,6 @@ step interface.
 """
 from megalite.distributed.ddp import DistributedDataParallel
 from megalite.distributed.grad_buffer import Bucket, GradBuffer
+from megalite.distributed.reducers import GradReducer
 
-__all__ = ["DistributedDataParallel", "GradBuffer", "Bucket"]
+__all__ = ["DistributedDataParallel", "GradBuffer", "Bucket", "GradReducer"]

@@ -7,9 +7,11 @@ import torch
 from torch import nn
 
 from megalite.distributed.grad_buffer import Bucket, GradBuffer
+from megalite.distributed.reducers import ReducerFactory, default_reducer
 from megalite.distributed.wrapper import ChunkWrapper
 from megalite.models.stage import shared_embedding_params
 from megalite.mpu import comm, parallel_state
+from megalite.sharding import NO_SHARD, OPTIM
 
 
 class DistributedDataParallel(ChunkWrapper):
@@ -21,7 +23,9 @@ class DistributedDataParallel(ChunkWrapper):
     arrives (under a split backward, when the last W step of the bucket's weights lands).
     Inside `no_sync()` grads only accumulate. `finish_grad_sync()` waits for every
     bucket (launching those not yet launched); `zero_grad_buffer()` starts the next step.
-    With `use_distributed_optimizer` buckets are padded and reduce-scattered (see GradBuffer).
+    With `use_distributed_optimizer` (strategy optim, else no_shard) buckets are padded and
+    reduce-scattered (see GradBuffer). `make_reducer` gives each bucket its reducer
+    (megalite.distributed.reducers; an optimizer kind may supply its own).
     Expert parameters (`expert_parallel`, MoE) get buffers of their own, reduced over the
     expert-data-parallel group only (their other DP ranks hold other experts), still divided
     by the full DP size: each expert's grad already sums the tokens of its whole EP group.
@@ -30,12 +34,13 @@ class DistributedDataParallel(ChunkWrapper):
 
     def __init__(self, module: nn.Module, bucket_size: int = 40_000_000,
                  overlap_grad_reduce: bool = True, use_distributed_optimizer: bool = False,
-                 data_parallel_group=None) -> None:
+                 data_parallel_group=None, make_reducer: ReducerFactory = default_reducer
+                 ) -> None:
         super().__init__()
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
-        self.strategy = "optim" if use_distributed_optimizer else "no_shard"
+        self.strategy = OPTIM if use_distributed_optimizer else NO_SHARD
         self.data_parallel_group = (parallel_state.get_data_parallel_group(
                                         with_context_parallel=True)
                                     if data_parallel_group is None else data_parallel_group)
@@ -50,7 +55,8 @@ class DistributedDataParallel(ChunkWrapper):
         dp = comm.world_size(self.data_parallel_group)
         self.grad_buffers = [GradBuffer(same_kind, expert_group if expert
                                         else self.data_parallel_group, bucket_size,
-                                        use_distributed_optimizer, tied, mean_over=dp)
+                                        use_distributed_optimizer, tied, mean_over=dp,
+                                        make_reducer=make_reducer)
                              for (_, expert), same_kind in by_kind.items()]
         self._bucket_of: dict[nn.Parameter, Bucket] = {
             p: bucket for bucket in self.buckets() for p in bucket.params}

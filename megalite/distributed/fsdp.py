@@ -43,12 +43,11 @@ from megalite.distributed.wrapper import ChunkWrapper
 from megalite.models.transformer import ParallelTransformerLayer
 from megalite.moe.layer import MoELayer
 from megalite.mpu import comm, parallel_state
+from megalite.sharding import ShardingStrategy, sharding_strategy
 
 if TYPE_CHECKING:  # imported where used: torch.distributed.tensor costs 0.7 s at start-up
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-
-FULLY_SHARDED = ("optim_grads", "optim_grads_params")
 
 
 class FullyShardedChunk(ChunkWrapper):
@@ -56,8 +55,8 @@ class FullyShardedChunk(ChunkWrapper):
     (`no_sync`, `finish_grad_sync`, `zero_grad_buffer`); calls and unknown attributes go to
     the sharded module."""
 
-    def __init__(self, module: nn.Module, strategy: str, pipelined: bool, data_parallel_group,
-                 param_dtype: torch.dtype) -> None:
+    def __init__(self, module: nn.Module, strategy: ShardingStrategy, pipelined: bool,
+                 data_parallel_group, param_dtype: torch.dtype) -> None:
         super().__init__()
         self.module, self.strategy, self.pipelined = module, strategy, pipelined
         self.param_dtype = param_dtype  # gathered and computed in; the shards stay fp32
@@ -126,17 +125,17 @@ def _units(module: nn.Module) -> list[tuple[nn.Module, bool]]:
 def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
                 cpu_offload: bool = False) -> FullyShardedChunk:
     """Shard `chunk` (built in `param_dtype` on this rank's device, process grid initialised)
-    for `strategy` (optim_grads or optim_grads_params), with the host offload when
-    `cpu_offload`; see the module docstring. Parameters become fp32 DTensors sharded on dim 0
-    over DP x CP (experts: expert-DP); megalite's parameter attributes (TP split, tied copy,
-    expert) are kept on them."""
-    if strategy not in FULLY_SHARDED:
-        raise ValueError(f"shard_model: strategy {strategy!r} is not one of {FULLY_SHARDED}")
+    for the strategy named `strategy` (one whose record runs on FSDP2: optim_grads,
+    optim_grads_params), with the host offload when `cpu_offload`; see the module docstring.
+    Parameters become fp32 DTensors sharded on dim 0 over DP x CP (experts: expert-DP);
+    megalite's parameter attributes (TP split, tied copy, expert) are kept on them."""
+    record = sharding_strategy(strategy)
+    if not record.fsdp:
+        raise ValueError(f"shard_model: strategy {strategy!r} does not run on FSDP2")
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                         fully_shard)
     # the chunk's per-token loss is a transposed view; nothing changes it in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    zero3 = strategy == "optim_grads_params"
     pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
     attributes = {name: dict(p.__dict__) for name, p in chunk.named_parameters()}
     for param in chunk.parameters():
@@ -147,7 +146,7 @@ def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_size = comm.world_size(dp_group)
     dense, experts = _mesh(dp_group), _mesh(parallel_state.get_expert_data_parallel_group())
-    reshard = zero3 and not pipelined
+    reshard = record.reshard_after_forward and not pipelined
     for unit, expert in _units(chunk):
         fully_shard(unit, mesh=experts if expert else dense, reshard_after_forward=reshard,
                     mp_policy=policy, offload_policy=offload)
@@ -160,7 +159,7 @@ def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
     for name, param in chunk.named_parameters():
         param.__dict__.update(attributes[name])
         _localise_padding_rows(param)
-    return FullyShardedChunk(chunk, strategy, pipelined, dp_group, param_dtype)
+    return FullyShardedChunk(chunk, record, pipelined, dp_group, param_dtype)
 
 
 def _localise_padding_rows(param: DTensor) -> None:

@@ -15,33 +15,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.distributed.reducers import GradReducer, ReducerFactory, default_reducer
 from megalite.mpu import comm
 
 SHARD_ALIGNMENT = 64
 
 
 class Bucket:
-    """Elements [start, end) of a GradBuffer, reduced as one collective on the DP `group`.
-
-    All-reduce, or with `reduce_scatter` a reduce-scatter that leaves the reduced values
-    in this rank's shard only. Grads are divided by `mean_over` (default: the group's size)
-    first, the DP mean.
+    """Elements [start, end) of a GradBuffer, reduced over the DP `group` by `reducer`
+    (megalite.distributed.reducers: an all-reduce, or for the distributed optimizer a
+    reduce-scatter that leaves the reduced values in this rank's shard only). Grads are
+    divided by `mean_over` (default: the group's size) first, the DP mean.
     """
 
     def __init__(self, params: list[nn.Parameter], grad_data: torch.Tensor,
-                 param_data: torch.Tensor | None, start: int, group, reduce_scatter: bool,
+                 param_data: torch.Tensor | None, start: int, group, reducer: GradReducer,
                  mean_over: int | None = None) -> None:
         self.params, self.grad_data, self.param_data = params, grad_data, param_data
         self.start, self.end = start, start + grad_data.numel()
         self.group, self.dp = group, comm.world_size(group)
         self.mean_over = mean_over or self.dp
         self.rank = dist.get_rank(group) if self.dp > 1 else 0
-        self.reduce_scatter = reduce_scatter
+        self.reducer = reducer
         self.reset()
 
     def reset(self) -> None:
         self.pending = set(self.params)
-        self.launched, self.work = False, None
+        self.launched, self.handle = False, None
 
     def shard_range(self) -> tuple[int, int]:
         """This DP rank's [start, end) of the bucket, in buffer coordinates."""
@@ -63,21 +63,16 @@ class Bucket:
         self.launched = True
         if self.mean_over > 1:
             self.grad_data.div_(self.mean_over)
-        if self.dp == 1:
-            return
-        if self.reduce_scatter:
-            self.work = comm.reduce_scatter(self._local(self.grad_data), self.grad_data,
-                                            self.group, async_op=True)
-        else:
-            self.work = comm.all_reduce(self.grad_data, self.group, async_op=True)
+        if self.dp > 1:
+            self.handle = self.reducer.start(self.grad_data, self.group)
 
     def finish_grad_sync(self) -> None:
         """Wait for the reduction, launching it first if backward did not."""
         if not self.launched:
             self.start_grad_sync()
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        if self.handle is not None:
+            self.reducer.wait(self.handle)
+            self.handle = None
 
     def gather_params(self) -> None:
         """All-gather every rank's shard of the param buffer on the DP group (sharded only)."""
@@ -89,13 +84,14 @@ class Bucket:
 class GradBuffer:
     """The fp32 grads (and, sharded, the params) of `params`, all of one dtype, in buckets.
 
-    `all_reduce_params` each get a bucket of their own that is all-reduced even when
-    sharded (the tied embedding, whose grad is summed over the embedding group next).
+    `all_reduce_params` each get a bucket of their own that is reduced whole even when
+    sharded (the tied embedding, whose grad is summed over the embedding group next). Each
+    bucket's reducer is `make_reducer(sharded)`.
     """
 
     def __init__(self, params: list[nn.Parameter], group, bucket_size: int, shard: bool,
-                 all_reduce_params: frozenset = frozenset(), mean_over: int | None = None
-                 ) -> None:
+                 all_reduce_params: frozenset = frozenset(), mean_over: int | None = None,
+                 make_reducer: ReducerFactory = default_reducer) -> None:
         dp = comm.world_size(group)
         pad = SHARD_ALIGNMENT * dp if shard else 1
         groups = _bucket_groups(params[::-1], bucket_size, all_reduce_params)
@@ -119,7 +115,7 @@ class GradBuffer:
         self.buckets = [
             Bucket(members, self.grad_data[start:end],
                    None if self.param_data is None else self.param_data[start:end], start, group,
-                   reduce_scatter=shard and not all_reduce_params.intersection(members),
+                   make_reducer(shard and not all_reduce_params.intersection(members)),
                    mean_over=mean_over)
             for members, start, end in spans]
 

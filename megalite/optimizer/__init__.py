@@ -23,35 +23,44 @@ as one tree, loadable under the same layout only.
 """
 from torch import nn
 
+from megalite import sharding
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.optimizer.distrib_optimizer import DistributedOptimizer, FullyShardedOptimizer
 from megalite.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megalite.optimizer.kinds import OPTIMIZER_KINDS, OptimizerKind, optimizer_kind
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer, optimizer_settings
 from megalite.optimizer.scheduler import OptimizerParamScheduler, check_decay_iters
+
+# The class stepping each megalite.sharding.ShardingStrategy's `optimizer`.
+OPTIMIZER_CLASSES: dict[str, type[MixedPrecisionOptimizer]] = {
+    sharding.MIXED_PRECISION: MixedPrecisionOptimizer,
+    sharding.DISTRIBUTED: DistributedOptimizer,
+    sharding.FULLY_SHARDED: FullyShardedOptimizer}
 
 
 def get_optimizer(opt_config: OptimizerConfig, precision: PrecisionConfig,
                   model_chunks: nn.Module | list[nn.Module], train_iters: int | None = None
                   ) -> tuple[MixedPrecisionOptimizer, OptimizerParamScheduler]:
     """The optimizer for this rank's wrapped chunks (DistributedDataParallel, or shard_model
-    for optim_grads / optim_grads_params), and its LR scheduler (decaying over
-    --lr-decay-iters, default `train_iters`)."""
+    for the FSDP2 strategies): the class of the sharding strategy's record stepping the
+    torch optimizer of --optimizer's record (megalite.optimizer.kinds); and its LR scheduler
+    (decaying over --lr-decay-iters, default `train_iters`)."""
     chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
     for chunk in chunks:
         if not hasattr(chunk, "strategy"):
             raise TypeError("get_optimizer: wrap each model chunk in megalite.distributed."
                             "DistributedDataParallel (or megalite.distributed.fsdp.shard_model) "
                             "first")
-        if chunk.strategy != opt_config.sharding:
+        if chunk.strategy.name != opt_config.sharding:
             raise ValueError(f"get_optimizer: the chunk is wrapped for sharding "
-                             f"{chunk.strategy!r}, but --data-parallel-sharding-strategy / "
+                             f"{chunk.strategy.name!r}, but --data-parallel-sharding-strategy / "
                              f"--use-distributed-optimizer ask for {opt_config.sharding!r}")
-    cls = {"no_shard": MixedPrecisionOptimizer, "optim": DistributedOptimizer}.get(
-        opt_config.sharding, FullyShardedOptimizer)
+    cls = OPTIMIZER_CLASSES[sharding.sharding_strategy(opt_config.sharding).optimizer]
     optimizer = cls(chunks, opt_config, precision)
     return optimizer, OptimizerParamScheduler.from_config(optimizer, opt_config, train_iters)
 
 
 __all__ = ["get_optimizer", "optimizer_settings", "MixedPrecisionOptimizer", "DistributedOptimizer",
            "FullyShardedOptimizer", "OptimizerParamScheduler", "check_decay_iters", "DynamicGradScaler",
-           "ConstantGradScaler"]
+           "ConstantGradScaler", "OPTIMIZER_CLASSES", "OPTIMIZER_KINDS", "OptimizerKind",
+           "optimizer_kind"]

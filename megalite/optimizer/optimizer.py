@@ -8,7 +8,6 @@ non-finite loss or global grad norm skips the step (never applied to the weights
 grad statistics stay on the device until the host reads them, once per step.
 """
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +18,8 @@ from megalite.device import current_device
 from megalite.mpu import parallel_state
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.grad_stats import counts_toward_norm, found_inf_anywhere, global_grad_norm
+from megalite.optimizer.kinds import OptimizerKind, optimizer_kind
+from megalite.sharding import sharding_strategy
 
 
 @dataclass
@@ -51,41 +52,15 @@ class Fragment:
         return cls(model_param, values.float(), grad, values, offset)
 
 
-def build_torch_optimizer(config: OptimizerConfig,
+def build_torch_optimizer(kind: OptimizerKind, config: OptimizerConfig,
                           fragments: list[Fragment]) -> torch.optim.Optimizer:
-    """AdamW (apex FusedAdam on CUDA if importable, else torch fused where the device has it,
-    else foreach) or SGD, over two groups: with weight decay, and without for 1-D params
+    """`kind`'s torch optimizer over two groups: with weight decay, and without for 1-D params
     (biases, norms)."""
     groups = [{"params": [f.main for f in fragments if f.model_param.ndim > 1],
                "weight_decay": config.weight_decay},
               {"params": [f.main for f in fragments if f.model_param.ndim <= 1],
                "weight_decay": 0.0}]
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
-    kw = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
-    if fragments and fragments[0].main.is_cuda:
-        apex_adam = apex_fused_adam(groups, kw)
-        if apex_adam is not None:
-            return apex_adam
-    try:
-        return torch.optim.AdamW(groups, fused=True, **kw)
-    except RuntimeError:  # the device has no fused kernel
-        return torch.optim.AdamW(groups, foreach=True, **kw)
-
-
-def apex_fused_adam(groups: list[dict], kw: dict) -> torch.optim.Optimizer | None:
-    """apex's FusedAdam in AdamW mode, or None: apex not installed, or installed without its
-    CUDA extensions (a RuntimeError at construction; warned about, torch's AdamW is used)."""
-    try:
-        from apex.optimizers import FusedAdam
-    except ImportError:
-        return None
-    try:
-        return FusedAdam(groups, adam_w_mode=True, **kw)
-    except RuntimeError as error:
-        warnings.warn(f"apex is installed but FusedAdam cannot be built ({error}); falling back "
-                      f"to torch's fused AdamW", stacklevel=2)
-        return None
+    return kind.build(groups, config)
 
 
 # Keys of a param group that describe the implementation, not the optimization: left out
@@ -124,11 +99,13 @@ def load_portable_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> N
 def optimizer_settings(config: OptimizerConfig) -> dict:
     """What the saved optimizer state means: stored with checkpoints, compared on load (the
     sharding and offload keys only when they differ from DDP / ZeRO-1 without offload, so
-    checkpoints written before they existed still resume)."""
+    checkpoints written before they existed still resume: ZeRO-1 is the grad buffer's
+    strategy that shards the optimizer)."""
+    strategy = sharding_strategy(config.sharding)
     settings = {"optimizer": config.optimizer,
-                "use_distributed_optimizer": config.sharding == "optim"}
-    if config.sharding not in ("no_shard", "optim"):
-        settings["sharding"] = config.sharding
+                "use_distributed_optimizer": strategy.shards_optimizer and not strategy.fsdp}
+    if strategy.fsdp:
+        settings["sharding"] = strategy.name
     if config.optimizer_cpu_offload:
         settings["cpu_offload"] = True
     return settings
@@ -143,8 +120,9 @@ class MixedPrecisionOptimizer:
         self.model_chunks, self.clip_grad, self.config = model_chunks, config.clip_grad, config
         self.scaler = build_grad_scaler(precision)
         self.host = config.optimizer_cpu_offload
+        self.kind = optimizer_kind(config.optimizer)
         self.fragments = self._build_fragments()
-        self.optimizer = build_torch_optimizer(config, self.fragments)
+        self.optimizer = build_torch_optimizer(self.kind, config, self.fragments)
         self._grad_norm: torch.Tensor | None = None  # on the device, from grad_stats()
 
     def _build_fragments(self) -> list[Fragment]:

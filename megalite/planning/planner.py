@@ -29,12 +29,9 @@ from megalite.planning.activations import (ACTIVATION_BYTES, activation_bytes_pe
                                            ring_attention_elements)
 from megalite.planning.flops import flops_per_iteration
 from megalite.planning.params import fsdp_units, stage_expert_params, stage_params
-from megalite.planning.state_bytes import (FSDP_STRATEGIES, STATE_BYTES, StateBytes, gather_bytes,
-                                           state_bytes_per_param)
+from megalite.planning.state_bytes import (FP32, PARAM_GRAD_BYTES, StateBytes, gather_bytes,
+                                           optimizer_state_bytes, state_bytes_per_param)
 from megalite.schedules.accounting import schedule_bubble
-
-# bytes per parameter in a checkpoint: weights, fp32 masters (bf16/fp16) and Adam's 2 moments
-CHECKPOINT_BYTES = {"fp32": 4 + 8, "bf16": 2 + 4 + 8, "fp16": 2 + 4 + 8}
 
 
 
@@ -110,11 +107,15 @@ class Plan:
 
     def checkpoint_bytes(self, stage: str) -> float:
         """Bytes one rank of `stage` writes into a distributed checkpoint: its TP shard's
-        share (megalite.checkpoint.state) of weights, masters and Adam moments, split over
-        the DP x CP ranks (experts over the expert-DP ranks)."""
+        share (megalite.checkpoint.state) of weights, fp32 masters (bf16/fp16) and optimizer
+        state (its megalite.optimizer.kinds record's), split over the DP x CP ranks (experts
+        over the expert-DP ranks)."""
         grid, s = self.layout.grid, self.stages[stage]
         replicas = grid.dp * grid.cp
-        return CHECKPOINT_BYTES[self.precision] * (
+        weights, _ = PARAM_GRAD_BYTES[self.precision]
+        masters = 0 if self.precision == "fp32" else FP32
+        per_param = weights + masters + optimizer_state_bytes(self.configs.optimizer)
+        return per_param * (
             (s.params - s.expert_params) / replicas + s.expert_params * grid.ep / replicas)
 
     def save_time(self, write_gbps: float) -> float:
@@ -144,7 +145,7 @@ class Plan:
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         v, cp = self.layout.chunks_per_rank, par.context_parallel_size
         first, last = stage == "first" or pp == 1, stage == "last" or pp == 1
-        e, (_, grad_bytes, _) = ACTIVATION_BYTES[self.precision], STATE_BYTES[self.precision]
+        e, (_, grad_bytes) = ACTIVATION_BYTES[self.precision], PARAM_GRAD_BYTES[self.precision]
         sb = t.seq_length // cp * t.micro_batch_size
         m, sbh, params = self.layout.num_microbatches, sb * model.hidden_size, self.stages[stage].params
         layers, forwards = model.num_layers // pp, 1 + (model.recompute_granularity == "full")
@@ -170,12 +171,12 @@ class Plan:
         if pp > 1:  # forwards to the next stage and grads to the previous, per chunk
             message = sbh * e / (tp if self.sequence_parallel else 1)
             out["PP send"] = ("send", m * (2 * v - (first or last)) * message, 2)
-        dp, sharding = self.layout.data_parallel_size * cp, self.layout.sharding
-        if dp > 1 and sharding in FSDP_STRATEGIES:  # FSDP2: fp32 reduction, gathers in e bytes
+        dp, strategy = self.layout.data_parallel_size * cp, self.layout.strategy
+        if dp > 1 and strategy.fsdp:  # FSDP2: fp32 reduction, gathers in e bytes
             out["DP grad reduce-scatter"] = ("reduce_scatter", params * LOSS_BYTES, dp)
-            gathers = 2 if sharding == "optim_grads_params" and pp == 1 else 1
+            gathers = 2 if strategy.reshard_after_forward and pp == 1 else 1
             out["DP param all-gather"] = ("all_gather", gathers * params * e / dp, dp)
-        elif dp > 1 and sharding == "optim":
+        elif dp > 1 and strategy.shards_optimizer:
             out["DP grad reduce-scatter"] = ("reduce_scatter", params * grad_bytes, dp)
             out["DP param all-gather"] = ("all_gather", params * e / dp, dp)
         elif dp > 1:
@@ -257,8 +258,9 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
                                   configs.model.make_vocab_size_divisible_by, tp)
     ep, sharding = par.expert_model_parallel_size, layout.sharding
     offload = layout.cpu_offload
-    state = state_bytes_per_param(precision, sharding, dp * cp, offload)
-    expert_state = state_bytes_per_param(precision, sharding, dp * cp // ep, offload)
+    state = state_bytes_per_param(precision, sharding, dp * cp, offload, configs.optimizer)
+    expert_state = state_bytes_per_param(precision, sharding, dp * cp // ep, offload,
+                                         configs.optimizer)
     stored, working = _layer_stack(configs, configs.model.num_layers // (pp * v), e, tp,
                                    sequence_parallel)
     gpipe = schedule.name == GPIPE

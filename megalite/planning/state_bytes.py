@@ -13,19 +13,23 @@ grads reduce (and stay) in fp32, so every precision keeps 4 + 4 + 8 sharded, 16/
 gathers compute-dtype copies of the parameters (`gather_bytes`). `--optimizer-cpu-offload`
 moves the optimizer state to host memory, and under FSDP2 (CPUOffloadPolicy) the sharded
 parameters and grads too: `StateBytes.host` of the total is then in host memory.
+
+What a strategy shards, whether FSDP2 runs it and what offload moves are the fields of its
+megalite.sharding record; the optimizer's state bytes (AdamW's m, v: 8; SGD's momentum: 4)
+its megalite.optimizer.kinds record's.
 """
 from dataclasses import dataclass
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-SHARDED = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("grads", "optimizer"),
-           "optim_grads_params": ("params", "grads", "optimizer")}
-FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")  # run on torch FSDP2
+from megalite.config import OptimizerConfig
+from megalite.optimizer.kinds import optimizer_kind
+from megalite.sharding import NO_SHARD, ShardingStrategy, sharding_strategy
 
-# Megatron's bytes per parameter on megalite's gradient buffer: (parameters, gradients,
-# optimizer states: fp32 main params, fp16's fp32 main grads, Adam m, v).
-STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 2, 16)}
-FSDP_STATE_BYTES = (4, 4, 8)  # fp32 sharded master params, fp32 grads, Adam m, v
-OFFLOADED_OPTIMIZER_BYTES = 12  # fp32 master params + Adam m, v in host memory
+FP32 = 4
+# Bytes per parameter of the model's parameters and of their grads in megalite's gradient
+# buffer (Megatron's table; fp32 grads but for fp16's).
+PARAM_GRAD_BYTES = {"fp32": (4, 4), "bf16": (2, 4), "fp16": (2, 2)}
+# The optimizer's fp32 copies beside its state: masters (bf16, fp16) and fp16's fp32 grads.
+MASTER_BYTES = {"fp32": 0, "bf16": 4, "fp16": 8}
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -56,38 +60,45 @@ class StateBytes:
                           self.optimizer + other.optimizer, self.host + other.host)
 
 
-def check_strategy(strategy: str) -> None:
-    if strategy not in SHARDED:
-        raise ValueError(f"--data-parallel-sharding-strategy must be one of "
-                         f"{', '.join(STRATEGIES)} (got {strategy!r})")
+def optimizer_state_bytes(optimizer: OptimizerConfig | None = None) -> int:
+    """Optimizer state bytes per parameter of --optimizer's record (default AdamW: m, v)."""
+    config = optimizer or OptimizerConfig()
+    return optimizer_kind(config.optimizer).state_bytes(config)
+
+
+def held_components(precision: str, strategy: ShardingStrategy, offload: bool,
+                    state: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per parameter as megalite holds them, unsharded: under
+    FSDP2 fp32 masters as the parameters and fp32 grads; on the grad buffer the model's
+    parameters and buffer grads, and the optimizer's copies (offloaded: an fp32 master on
+    the host even of fp32 params) beside its `state`."""
+    if strategy.fsdp:
+        return FP32, FP32, state
+    params, grads = PARAM_GRAD_BYTES[precision]
+    return params, grads, (FP32 if offload else MASTER_BYTES[precision]) + state
 
 
 def zero_bytes(components: tuple[float, float, float], strategy: str, n: int,
                offloaded: tuple[str, ...] = ()) -> StateBytes:
     """The ZeRO rule: (params, grads, optimizer) bytes per parameter, the components
     `strategy` shards divided by `n`; `offloaded` components count as host bytes."""
-    check_strategy(strategy)
-    parts = {name: size / n if name in SHARDED[strategy] else size
-             for name, size in zip(("params", "grads", "optimizer"), components)}
+    parts = sharding_strategy(strategy).bytes_per_param(*components, n)
     return StateBytes(**parts, host=sum(parts[name] for name in offloaded))
 
 
-def state_bytes_per_param(precision: str, strategy: str = "no_shard", n: int = 1,
-                          offload: bool = False) -> StateBytes:
-    """Model-state bytes per parameter on one rank, between steps, as megalite holds them:
-    fp32 16 / 8 + 8/N, bf16 18 / 6 + 12/N on the gradient buffer (no_shard / optim), 16/N
-    under FSDP2 (optim_grads, optim_grads_params) whatever the precision. Offloaded, the
-    gradient buffer's optimizer keeps an fp32 master and Adam m, v on the host (12 or 12/N
-    bytes, also for fp32 params); FSDP2 keeps all its 16/N there."""
-    check_strategy(strategy)
-    if strategy in FSDP_STRATEGIES:
-        return zero_bytes(FSDP_STATE_BYTES, "optim_grads_params", n,
-                          ("params", "grads", "optimizer") if offload else ())
-    params, grads, optimizer = STATE_BYTES[precision]
-    if offload:  # a host fp32 master copy even of fp32 params, beside Adam m, v
-        return zero_bytes((params, grads, OFFLOADED_OPTIMIZER_BYTES), strategy, n,
-                          ("optimizer",))
-    return zero_bytes((params, grads, optimizer), strategy, n)
+def state_bytes_per_param(precision: str, strategy: str = NO_SHARD.name, n: int = 1,
+                          offload: bool = False, optimizer: OptimizerConfig | None = None
+                          ) -> StateBytes:
+    """Model-state bytes per parameter on one rank, between steps, as megalite holds them
+    (`optimizer`: whose state, default AdamW's 8 bytes): fp32 16 / 8 + 8/N, bf16 18 / 6 +
+    12/N on the gradient buffer (no_shard / optim), 16/N under FSDP2 (optim_grads,
+    optim_grads_params) whatever the precision. Offloaded, the gradient buffer's optimizer
+    keeps an fp32 master and Adam m, v on the host (12 or 12/N bytes, also for fp32
+    params); FSDP2 keeps all its 16/N there."""
+    record = sharding_strategy(strategy)
+    components = held_components(precision, record, offload, optimizer_state_bytes(optimizer))
+    parts = record.bytes_per_param(*components, n, held=True)
+    return StateBytes(**parts, host=sum(parts[c] for c in record.offloaded) if offload else 0.0)
 
 
 def gather_bytes(precision: str, strategy: str, stage_params: int, root: int, largest: int,
@@ -102,23 +113,23 @@ def gather_bytes(precision: str, strategy: str, stage_params: int, root: int, la
     whose grads are reduced once per step, the stage's unsharded grads accumulated in fp32
     (in every strategy). Nothing for no_shard and optim (ZeRO-1 gathers into the
     parameters themselves)."""
-    check_strategy(strategy)
-    if strategy not in FSDP_STRATEGIES:
+    record = sharding_strategy(strategy)
+    if not record.fsdp:
         return 0
-    e, accumulated = COMPUTE_BYTES[precision], 4 * stage_params if microbatches > 1 else 0
-    if strategy == "optim_grads_params" and not pipeline:
+    e, accumulated = COMPUTE_BYTES[precision], FP32 * stage_params if microbatches > 1 else 0
+    if record.reshard_after_forward and not pipeline:
         return (root + 2 * largest) * e + accumulated
     return stage_params * e + (accumulated or largest * e)
 
 
 def describe(precision: str, strategy: str, n: int, ep: int, offload: bool, dense: int,
-             expert: int, gather: int) -> str:
+             expert: int, gather: int, optimizer: OptimizerConfig | None = None) -> str:
     """The start-up line: model-state bytes of `dense` params sharded over n ranks and
     `expert` params over n / ep, e.g. 'model state per rank: 110.0 MiB (12 B/param, sharding
     optim over 2 ranks); 20.0 MiB of it in host memory; + 10.0 MiB of gathered parameters
     at the peak'."""
-    state = state_bytes_per_param(precision, strategy, n, offload) * dense \
-        + state_bytes_per_param(precision, strategy, n // ep, offload) * expert
+    state = state_bytes_per_param(precision, strategy, n, offload, optimizer) * dense \
+        + state_bytes_per_param(precision, strategy, n // ep, offload, optimizer) * expert
     mib = 2 ** 20
     per_param = state.total / (dense + expert)
     line = (f"model state per rank: {state.total / mib:,.1f} MiB ({per_param:.4g} B/param, "

@@ -9,15 +9,17 @@ from megalite import device
 from megalite.config import Configs
 from megalite.distributed import DistributedDataParallel
 from megalite.distributed.finalize import sync_shared_embedding
-from megalite.distributed.fsdp import FULLY_SHARDED, shard_model
+from megalite.distributed.fsdp import shard_model
 from megalite.layout import RunLayout
 from megalite.models.stage import build_model_chunks
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import pad_vocab_size
+from megalite.optimizer.kinds import optimizer_kind
 from megalite.planning import params as param_counts
 from megalite.planning import planner, state_bytes
 from megalite.schedules.accounting import pipeline_summary
+from megalite.sharding import sharding_strategy
 from megalite.training.logger import log
 
 
@@ -51,7 +53,7 @@ def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Mo
                                       g.pp > 1, layout.num_microbatches)
     log(state_bytes.describe(precision, layout.sharding, g.dp * g.cp, g.ep,
                              layout.cpu_offload, stage - expert, expert,
-                             gather))
+                             gather, configs.optimizer))
 
 
 
@@ -69,9 +71,10 @@ def setup_parallel(configs: Configs, layout: RunLayout) -> None:
 
 
 def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Module]:
-    """This rank's model chunks (one, or v with interleaving), on device, wrapped for DP:
-    DistributedDataParallel (no_shard, optim: megalite's grad buffer) or fully sharded
-    (optim_grads, optim_grads_params: torch FSDP2, megalite.distributed.fsdp).
+    """This rank's model chunks (one, or v with interleaving), on device, wrapped for DP as the
+    sharding strategy's record says: fully sharded by torch FSDP2 (megalite.distributed.fsdp)
+    or DistributedDataParallel (megalite's grad buffer, its buckets' grads reduced by the
+    optimizer kind's reducer).
 
     `model_provider(pre_process=..., post_process=...)` builds the chunk of the current
     virtual rank (see megalite.models.stage.build_model_chunks).
@@ -79,10 +82,12 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
     chunks = build_model_chunks(model_provider)
     sync_shared_embedding(chunks)
     o = configs.optimizer
-    if o.sharding in FULLY_SHARDED:
-        return [shard_model(chunk, o.sharding, configs.precision.params_dtype,
+    strategy = sharding_strategy(o.sharding)
+    if strategy.fsdp:
+        return [shard_model(chunk, strategy.name, configs.precision.params_dtype,
                             o.optimizer_cpu_offload) for chunk in chunks]
     return [DistributedDataParallel(chunk, bucket_size=o.ddp_bucket_size,
                                     overlap_grad_reduce=o.overlap_grad_reduce,
-                                    use_distributed_optimizer=o.sharding == "optim")
+                                    use_distributed_optimizer=strategy.shards_optimizer,
+                                    make_reducer=optimizer_kind(o.optimizer).reducer)
             for chunk in chunks]

@@ -1,0 +1,61 @@
+"""Gradient reducers: how a DP bucket's flat fp32 grads travel over its data-parallel group.
+
+A bucket of megalite's grad buffer (megalite.distributed.grad_buffer) owns one reducer. It
+divides its flat grads for the DP mean, calls `start(flat, group)` as soon as its last grad
+lands (overlap_grad_reduce) or at `finish_grad_sync`, and `wait(handle)` at
+`finish_grad_sync`; a group of one rank skips both. After `wait` the flat grads hold the sum
+over the group, of every element, or, for a `sharded` bucket (the distributed optimizer's),
+at least of this rank's 1/n of them (group rank r: elements [r n/size, (r + 1) n/size)).
+
+The defaults are an all-reduce and, for sharded buckets, a reduce-scatter, both async and
+counted by megalite.mpu.comm. An optimizer kind replaces them through its `reducer` field
+(megalite.optimizer.kinds), a `ReducerFactory`: a compressed all-reduce with error feedback
+is one new GradReducer subclass (its per-bucket state lives on the instance). FSDP2's
+strategies reduce-scatter inside torch and have no buckets.
+"""
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megalite.mpu import comm
+
+
+class GradReducer(ABC):
+    """Reduces one bucket's flat fp32 grads [n] in place over a DP group (n divisible by the
+    group's size for sharded buckets)."""
+
+    @abstractmethod
+    def start(self, flat: torch.Tensor, group) -> object:
+        """Launch the reduction of `flat` over `group` (async where it can); return a handle
+        for `wait` (None: already done)."""
+
+    def wait(self, handle: object) -> None:
+        """Block until the reduction `start` returned `handle` for is complete."""
+        if handle is not None:
+            handle.wait()
+
+
+class AllReduce(GradReducer):
+    """Sum over the group into every element (no_shard; tied-embedding buckets)."""
+
+    def start(self, flat: torch.Tensor, group) -> object:
+        return comm.all_reduce(flat, group, async_op=True)
+
+
+class ReduceScatter(GradReducer):
+    """Sum over the group into this rank's 1/size of `flat` only (the distributed optimizer
+    steps that shard); the other elements keep this rank's own values."""
+
+    def start(self, flat: torch.Tensor, group) -> object:
+        n, rank = flat.numel() // comm.world_size(group), dist.get_rank(group)
+        return comm.reduce_scatter(flat[rank * n:(rank + 1) * n], flat, group, async_op=True)
+
+
+ReducerFactory = Callable[[bool], GradReducer]  # (bucket is sharded) -> that bucket's reducer
+
+
+def default_reducer(sharded: bool) -> GradReducer:
+    """A reduce-scatter for a sharded bucket, else an all-reduce."""
+    return ReduceScatter() if sharded else AllReduce()

@@ -1,0 +1,91 @@
+"""The optimizers (`--optimizer`), one `OptimizerKind` record each.
+
+A record says how to build the torch optimizer over megalite's two parameter groups (with
+and without weight decay), which per-element state it keeps per parameter (fp32, beside the
+fp32 master: the planner's bytes per parameter and the checkpoint's "optim.<key>" kinds) and
+which per-parameter scalars (saved in the checkpoint index), and how a DP bucket's grads
+travel (`reducer`, megalite.distributed.reducers: a compressed all-reduce with error
+feedback is a new reducer named here). get_optimizer, the planner (megalite.planning), the
+checkpoint state mapping (megalite.checkpoint.state), the DP wrapper's set-up
+(megalite.training.setup) and the layout checks read the records; adding an optimizer is one
+record in OPTIMIZER_KINDS plus its build function.
+
+megalite.config sits below this package (tests/test_imports.py), so `--optimizer` takes any
+name and `optimizer_kind` refuses an unknown one with one line: megalite.layout calls it
+before any process group.
+"""
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megalite.distributed.reducers import ReducerFactory, default_reducer
+
+FP32_BYTES = 4  # optimizer state is kept in fp32, like the masters it steps
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """One optimizer, as a record (see the module docstring). `config` is an OptimizerConfig."""
+
+    name: str                                            # --optimizer
+    build: Callable[[list[dict], object], torch.optim.Optimizer]  # (param groups, config)
+    state_keys: Callable[[object], tuple[str, ...]]      # per-element state of a parameter
+    scalar_keys: tuple[str, ...] = ()                    # per-parameter scalars (Adam's step)
+    reducer: ReducerFactory = default_reducer            # how DP buckets' grads travel
+
+    def state_bytes(self, config) -> int:
+        """Bytes of optimizer state per parameter (fp32 per state key): Adam 8, SGD 4 with
+        momentum, else 0."""
+        return FP32_BYTES * len(self.state_keys(config))
+
+
+def build_adamw(groups: list[dict], config) -> torch.optim.Optimizer:
+    """AdamW: apex FusedAdam on CUDA if importable, else torch fused where the device has
+    it, else foreach."""
+    kw = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    params = [p for group in groups for p in group["params"]]
+    if params and params[0].is_cuda:
+        apex_adam = apex_fused_adam(groups, kw)
+        if apex_adam is not None:
+            return apex_adam
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kw)
+    except RuntimeError:  # the device has no fused kernel
+        return torch.optim.AdamW(groups, foreach=True, **kw)
+
+
+def apex_fused_adam(groups: list[dict], kw: dict) -> torch.optim.Optimizer | None:
+    """apex's FusedAdam in AdamW mode, or None: apex not installed, or installed without its
+    CUDA extensions (a RuntimeError at construction; warned about, torch's AdamW is used)."""
+    try:
+        from apex.optimizers import FusedAdam
+    except ImportError:
+        return None
+    try:
+        return FusedAdam(groups, adam_w_mode=True, **kw)
+    except RuntimeError as error:
+        warnings.warn(f"apex is installed but FusedAdam cannot be built ({error}); falling back "
+                      f"to torch's fused AdamW", stacklevel=2)
+        return None
+
+
+def build_sgd(groups: list[dict], config) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
+
+
+ADAM = OptimizerKind("adam", build_adamw, lambda config: ("exp_avg", "exp_avg_sq"),
+                     scalar_keys=("step",))
+SGD = OptimizerKind("sgd", build_sgd,
+                    lambda config: ("momentum_buffer",) if config.sgd_momentum else ())
+OPTIMIZER_KINDS = (ADAM, SGD)
+
+
+def optimizer_kind(name: str) -> OptimizerKind:
+    """The record named `name`; ValueError (one line naming the flag) for an unknown one."""
+    for kind in OPTIMIZER_KINDS:
+        if kind.name == name:
+            return kind
+    raise ValueError(f"--optimizer must be one of {', '.join(k.name for k in OPTIMIZER_KINDS)} "
+                     f"(got {name!r})")
