@@ -93,8 +93,8 @@ class TrainingLogger:
 
     def _moe_stats(self) -> dict[str, float]:
         """The last step's multi-token-prediction loss (with --mtp-num-layers), router losses,
-        dropped choices and expert imbalance (MoE models); collectives over the pipeline and
-        data-parallel groups."""
+        dropped choices and expert imbalance (MoE models), of the global batch; collectives
+        over the pipeline, data-parallel (with CP) and, under sequence parallelism, TP groups."""
         m = self.configs.model
         stats = {}
         if m.mtp_num_layers:
@@ -108,7 +108,8 @@ class TrainingLogger:
             moe_states(self.model), m.num_layers + (m.mtp_num_layers or 0), m.num_experts,
             self.layout.num_microbatches, device.current_device(),
             ps.get_pipeline_model_parallel_group(),
-            ps.get_data_parallel_group(with_context_parallel=True))
+            ps.get_data_parallel_group(with_context_parallel=True),
+            ps.get_tensor_model_parallel_group() if self.layout.sequence_parallel else None)
 
     def validation(self, iteration: int, loss: float) -> None:
         perplexity = math.exp(min(20.0, loss))
