@@ -4,7 +4,9 @@ attention, experts split over EP and TP) equals the single-process run on the sa
 batches (fp32, dropout off; summation order differs, so 1e-5 relative); also with the
 zero-bubble zb-h1 schedule (expert weight grads deferred too), and with interleaving (VPP 2),
 the distributed optimizer and full recompute. In bf16 at EP2 x PP2 x DP2 (4 ranks) the curve
-stays within 2e-2 of the fp32 one (bf16 keeps 8 bits of mantissa: ~4e-3 per rounding)."""
+stays within 2e-2 of the fp32 one (bf16 keeps 8 bits of mantissa: ~4e-3 per rounding).
+The logged MoE statistics (router losses, dropped choices, imbalance) at TP2+SP x CP2 are the
+global batch's: those of one process."""
 import pytest
 import torch
 

@@ -159,11 +159,6 @@ def pipeline_summary(schedule: str, p: int, m: int, v: int = 1) -> str:
             f"in-flight microbatches per rank: {peaks}")
 
 
-def p2p_message_count(table: Table) -> int:
-    """Point-to-point messages (each send has one matching recv)."""
-    return sum(ins.kind in SENDS for rank in table for ins in rank)
-
-
 def _steps(instructions: list[Instruction]) -> list[list[int]]:
     """Indices grouped into steps: one per compute, one per run of sends/recvs (a batch)."""
     steps: list[list[int]] = []
