@@ -191,7 +191,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         raise ValueError(f"the layout needs {grid.world_size} ranks, the job has {world}")
     destroy_model_parallel()  # a new layout replaces the groups of the previous one
     _groups.grid = grid
-    timeout = process_group_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    timeout = process_group_timeout() if timeout_s is None \
+        else datetime.timedelta(seconds=timeout_s)
     g = _groups
     g.tp_group, _ = _new_groups(grid.tensor_groups(), rank, timeout)
     g.dp_group, _ = _new_groups(grid.data_groups(), rank, timeout)
