@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from megalite.config import COLUMNS
-from megalite.data.finetune import PairDataset, load_tokenizer, read_pairs
+from megalite.data.finetune import encode_pairs, load_tokenizer, read_pairs
 from megalite.data.finetune_builtin import builtin_pair_task
 from megalite.hf.bert import read_bert_dir
 from tests.test_bert_hf_parity import minilm_dir
@@ -40,7 +40,7 @@ def test_known_words_are_in_the_shipped_vocabulary(tokenizer):
 def test_pairs_get_token_types_and_padding(tmp_path, tokenizer, suffix):
     examples = read_pairs(_write(tmp_path / f"d{suffix}", PAIRS), num_labels=2)
     assert examples.labels == [1, 0] and examples.second[1] == "Snakes are reptiles"
-    item = PairDataset(tokenizer, examples, seq_length=24)[0]
+    item = {k: v[0] for k, v in encode_pairs(tokenizer, examples, seq_length=24).items()}
     ids, types, mask = item["input_ids"].tolist(), item["tokentype_ids"].tolist(), \
         item["attention_mask"].tolist()
     first_sep = ids.index(tokenizer.sep_token_id)

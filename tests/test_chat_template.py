@@ -4,7 +4,7 @@ one the template spells out, it survives a save into a checkpoint's tokenizer/, 
 conversations or a tokenizer without a template get one clear error."""
 import pytest
 
-from megalite.data.chat_template import chat_ids, end_of_turn_ids, render_chat
+from megalite.data.chat_template import end_of_turn_ids, render_chat
 from megalite.data.tokenizers import HFTokenizer, build_tokenizer
 
 TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}: {{ m['content'] }}<|eot|>"
@@ -34,7 +34,7 @@ def test_rendered_as_the_template_writes_it_from_a_directory_and_a_checkpoint(tm
         assert render_chat(tok, messages) == ("<|start|>system: be brief<|eot|><|start|>user: "
                                               "hello<|eot|><|start|>assistant: ")
         assert render_chat(tok, messages, add_generation_prompt=False).endswith("hello<|eot|>")
-        assert chat_ids(tok, messages) == [2, 8, 6, 7, 3, 2, 9, 4, 3, 2, 10]
+        assert tok.tokenize(render_chat(tok, messages)) == [2, 8, 6, 7, 3, 2, 9, 4, 3, 2, 10]
         assert end_of_turn_ids(tok) == [1, 3]  # <eos>, then the template's <|eot|>
 
 

@@ -4,10 +4,15 @@ attention, experts split over EP and TP) equals the single-process run on the sa
 batches (fp32, dropout off; summation order differs, so 1e-5 relative); also with the
 zero-bubble zb-h1 schedule (expert weight grads deferred too), and with interleaving (VPP 2),
 the distributed optimizer and full recompute. In bf16 at EP2 x PP2 x DP2 (4 ranks) the curve
-stays within 2e-2 of the fp32 one (bf16 keeps 8 bits of mantissa: ~4e-3 per rounding)."""
+stays within 2e-2 of the fp32 one (bf16 keeps 8 bits of mantissa: ~4e-3 per rounding).
+The logged MoE statistics (router losses, dropped choices, imbalance) at TP2+SP x CP2 are the
+global batch's: those of one process."""
 import pytest
 import torch
 
+from megalite import device
+from megalite.moe.stats import MoEState, reduce_step_stats
+from megalite.mpu import parallel_state as ps
 from tests.gpt_run import make_dataset, tiny_args, train, train_with_grad_norms
 from tests.multirank import run_on_ranks
 from tests.reference import rel_err
@@ -81,3 +86,65 @@ def test_deepseek_moe_loss_curve_cp2_ep2_equals_single_process(tmp_path):
                 assert rel_err(torch.tensor(got[it]), torch.tensor(want[it])) < 1e-5, \
                     (layout, single, parallel)
         print("DeepSeek MoE loss and grad-norm curves single vs", *layout, single, parallel)
+
+
+def _train_logging_moe_stats(argv: list[str]) -> list[dict[str, float]]:
+    """Train, logging every step; the MoE stats each logged line carried on this rank."""
+    from megalite.training import logger
+    logged = []
+
+    def recording(*args, **kwargs):
+        logged.append(reduce_step_stats(*args, **kwargs))
+        return logged[-1]
+    logger.reduce_step_stats = recording
+    try:
+        train(argv)
+    finally:
+        logger.reduce_step_stats = reduce_step_stats
+    return logged
+
+
+def test_moe_stats_under_sequence_split_equal_single_process(tmp_path):
+    """The logged load-balancing loss, z-loss, dropped choices (none: dropless) and expert
+    imbalance of 4 MoE layers at TP2+SP x CP2 (each rank routes a quarter of every sequence)
+    are the whole batch's, on every rank: those one process logs (one TP rank's were load
+    balancing 4.0200, z 17.429, imbalance 1.375 where one process logs 4.0205, 17.433, 1.625)."""
+    prefix = make_dataset(str(tmp_path))
+    flags = [*MOE_FLAGS, "--moe-layer-freq", "1", "--log-interval", "1"]
+    layout = ["--tp", "2", "--sequence-parallel", "--cp", "2"]
+    single = run_on_ranks(1, _train_logging_moe_stats,
+                          tiny_args(prefix, f"{tmp_path}/single", 2, *flags))[0]
+    parallel = run_on_ranks(4, _train_logging_moe_stats,
+                            tiny_args(prefix, f"{tmp_path}/parallel", 2, *flags, *layout))
+    assert len(single) == 2, single
+    for rank_stats in parallel:
+        for want, got in zip(single, rank_stats, strict=True):
+            assert sorted(got) == sorted(want)
+            for name in want:
+                assert rel_err(torch.tensor(got[name]), torch.tensor(want[name])) < 1e-5, \
+                    (name, single, rank_stats)
+    print("MoE stats single vs", *layout, single, parallel)
+
+
+def _stats_of_two_sequence_shards() -> dict[str, float]:
+    """TP2 under sequence parallelism: each rank routes half of the tokens of one microbatch
+    through one layer of 2 experts; rank 0's 4 choices go 3 to expert 0 and 1 to expert 1,
+    rank 1's the other way round; aux loss 1.0 / 1.2, z-loss 2 / 4, one dropped choice each."""
+    ps.initialize_model_parallel(2)
+    rank = ps.get_tensor_model_parallel_rank()
+    state = MoEState()
+    state.record(0, torch.tensor(1.0 + 0.2 * rank), torch.tensor(2.0 + 2 * rank),
+                 torch.tensor(1), torch.tensor([3, 1] if rank == 0 else [1, 3]))
+    return reduce_step_stats([state], 1, 2, 1, device.current_device(),
+                             ps.get_pipeline_model_parallel_group(),
+                             ps.get_data_parallel_group(with_context_parallel=True),
+                             ps.get_tensor_model_parallel_group())
+
+
+def test_moe_stats_of_sequence_shards_are_global():
+    """Means of the shards' losses, totals of the dropped choices, and the imbalance of the
+    total loads (4 and 4: 1.0), not of one shard's (3 and 1: 1.5), on both ranks."""
+    want = {"load balancing loss": 1.1, "z loss": 3.0, "dropped tokens": 2.0,
+            "expert imbalance": 1.0}
+    for got in run_on_ranks(2, _stats_of_two_sequence_shards):
+        assert got == pytest.approx(want, rel=1e-6), got

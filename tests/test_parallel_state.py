@@ -32,7 +32,8 @@ def _my_groups(tp: int, pp: int) -> dict:
     ps.initialize_model_parallel(tp, pp)
     rank = dist.get_rank()
     info = {
-        "tp": ps.get_tensor_model_parallel_ranks(), "dp": ps.get_data_parallel_ranks(),
+        "tp": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
+        "dp": dist.get_process_group_ranks(ps.get_data_parallel_group()),
         "pp": ps.get_pipeline_model_parallel_ranks(), "embedding": ps.get_embedding_ranks(),
         "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": ps.get_data_parallel_rank(),
         "pp_rank": ps.get_pipeline_model_parallel_rank(),

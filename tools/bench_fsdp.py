@@ -4,8 +4,8 @@ against transformers' Llama on torch FSDP2.
     python tools/bench_fsdp.py [--hidden-size 256 --num-layers 4 --seq-length 128 --steps 8]
 
 One pool of gloo ranks per DP size (OMP_NUM_THREADS=1 per rank) runs every configuration
-in turn through megalite's own set-up (`training.build_model`, `get_optimizer`,
-`training.train_step`) on a Llama-shaped model (RMSNorm, rope, SwiGLU, 2 KV groups, head
+in turn through megalite's own set-up (`megalite.training.setup.build_model`,
+`get_optimizer`, `megalite.training.loop.train_step`) on a Llama-shaped model (RMSNorm, rope, SwiGLU, 2 KV groups, head
 tied to the embedding, no dropout). Prints three tables; asserts nothing.
 
 1. Model state per rank at DP 2 and 4, fp32 and bf16, each strategy (and optim /

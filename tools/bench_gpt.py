@@ -16,7 +16,7 @@ One step = zero grads, forward, loss, backward, clip, optimizer step.
 
 - HF: what a Hugging Face user does: `model(input_ids, labels=input_ids).loss`, default
   attention (sdpa), fp32 params; bf16 = the same under `torch.autocast(bfloat16)`.
-- megalite: its real path, `megalite.training.train_step` on a 1-rank gloo group (TP = PP
+- megalite: its real path, `megalite.training.loop.train_step` on a 1-rank gloo group (TP = PP
   = DP = 1) with `DistributedDataParallel` (fp32 main_grad buffer) and `get_optimizer`
   (MixedPrecisionOptimizer); bf16 = bf16 params and activations with fp32 main grads and
   main params (Megatron's --bf16).
@@ -147,7 +147,7 @@ class HFRunner:
 
 
 class MegaliteRunner:
-    """megalite GPTModel through training.train_step: DDP wrapper + get_optimizer."""
+    """megalite GPTModel through megalite.training.loop.train_step: DDP wrapper + get_optimizer."""
 
     def __init__(self, family: str, config: ModelConfig, hf_state: dict, precision: str, seq: int,
                  micro: int, device: torch.device, compile_layers: bool = False) -> None:

@@ -10,7 +10,7 @@ tokenizer with no template) is one ValueError naming it: there is no silent fall
 
   check_messages(messages, where)   ValueError naming the first bad message
   chat_template(tokenizer)          the jinja template (ValueError if none)
-  render_chat(tokenizer, messages)  the prompt text; chat_ids(...) its token ids
+  render_chat(tokenizer, messages)  the prompt text (tokenizer.tokenize gives its ids)
   end_of_turn_ids(tokenizer)        ids that end an assistant turn (EOS, <|im_end|>, ...)
 """
 from __future__ import annotations
@@ -72,13 +72,6 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict],
     except TemplateError as error:
         raise ValueError(f"messages: the chat template of tokenizer {_name(tokenizer)} refuses "
                          f"them ({error})") from None
-
-
-def chat_ids(tokenizer: Tokenizer, messages: list[dict],
-             add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `render_chat` (special tokens in the text become their ids, nothing is
-    added: what `apply_chat_template(..., tokenize=True)` gives)."""
-    return tokenizer.tokenize(render_chat(tokenizer, messages, add_generation_prompt))
 
 
 def end_of_turn_ids(tokenizer: Tokenizer) -> list[int]:

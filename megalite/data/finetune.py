@@ -100,16 +100,3 @@ def encode_pairs(tokenizer, examples: PairExamples, seq_length: int) -> dict[str
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
             "tokentype_ids": enc["token_type_ids"],
             "labels": torch.tensor(examples.labels, dtype=torch.long)}
-
-
-class PairDataset(torch.utils.data.Dataset):
-    """Encoded examples: item i -> {input_ids, attention_mask, tokentype_ids: [s], labels: []}."""
-
-    def __init__(self, tokenizer, examples: PairExamples, seq_length: int) -> None:
-        self.tensors = encode_pairs(tokenizer, examples, seq_length)
-
-    def __len__(self) -> int:
-        return len(self.tensors["labels"])
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v[i] for k, v in self.tensors.items()}

@@ -13,7 +13,6 @@ import re
 
 from megalite.data.finetune import PairExamples
 
-NUM_LABELS = 2
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 
 

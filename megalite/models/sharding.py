@@ -51,11 +51,6 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if is_dtensor(param) else param
 
 
-def is_fully_sharded(chunk: nn.Module) -> bool:
-    """Whether the chunk's parameters are DP-sharded DTensors (megalite.distributed.fsdp)."""
-    return any(is_dtensor(p) for p in chunk.parameters())
-
-
 def params_dtype(chunk: nn.Module) -> torch.dtype:
     """The dtype the chunk computes in (fully sharded chunks keep fp32 masters)."""
     return getattr(chunk, "param_dtype", None) or next(chunk.parameters()).dtype

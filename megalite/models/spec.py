@@ -2,15 +2,12 @@
 
 `TransformerSpec.from_config(ModelConfig)` reads the Megatron-style flags once; GPT-2, BERT
 and Llama differ only in the values (see `megalite.hf` for the configs each family maps to).
-The spec is also the one place that knows the layer's parameter and FLOP counts, and which
-pipeline stage a parameter name belongs to.
+The spec is also the one place that knows the layer's parameter and FLOP counts.
 """
 from dataclasses import asdict, dataclass
 
 from megalite.config import ModelConfig
 from megalite.mpu.rotary import yarn_mscale
-
-LAYER_PREFIX = "encoder.layers."
 
 
 @dataclass(frozen=True)
@@ -277,19 +274,3 @@ class TransformerSpec:
         return (padded_vocab * h * (1 if self.tie_output else 2) + self.norm_params(h)
                 + (max_positions * h if self.position_embedding == "learned_absolute" else 0)
                 + self.mtp_extra_params())
-
-
-def layer_index(name: str) -> int | None:
-    """Global layer of a parameter name (`encoder.layers.7.mlp...` -> 7), None outside layers."""
-    if not name.startswith(LAYER_PREFIX):
-        return None
-    return int(name[len(LAYER_PREFIX):].split(".", 1)[0])
-
-
-def stage_of(name: str, num_layers: int, pp: int) -> int:
-    """Pipeline stage that owns parameter `name` under `pp` equal stages: layers by index,
-    embeddings on the first stage, final norm and head on the last."""
-    layer = layer_index(name)
-    if layer is not None:
-        return layer // (num_layers // pp)
-    return 0 if name.startswith("embedding.") else pp - 1

@@ -7,9 +7,10 @@ training step it runs, the executor sets it to loss_scale / microbatches, the fa
 applies to the main loss (`training_step`); outside a step it is 1.0 (a plain backward).
 
 `MoEState.mtp_loss` sums the step's multi-token-prediction losses (the last stage's) for
-the log line (`reduce_mtp_loss`). `MoEState.rows` collects, per global layer, the detached aux loss, z-loss, dropped choices
-and tokens per expert of every microbatch of the step; `reduce_step_stats` sums those of a
-rank's chunks over the pipeline and data-parallel groups for the log line.
+the log line (`reduce_mtp_loss`). `MoEState.rows` collects, per global layer, the detached
+aux loss, z-loss, dropped choices and tokens per expert of every microbatch of the step;
+`reduce_step_stats` sums those of a rank's chunks over the pipeline, data-parallel (with CP)
+and, under sequence parallelism, TP groups for the log line.
 """
 import contextlib
 from collections.abc import Iterator
@@ -83,24 +84,29 @@ def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor, state: MoEStat
 
 
 def reduce_step_stats(states: list[MoEState], num_layers: int, num_experts: int,
-                      microbatches: int, device, pipeline_group, data_parallel_group
-                      ) -> dict[str, float]:
-    """This step's stats of a rank's chunks summed over layers (pipeline group) and DP ranks
-    (data-parallel group): aux and z losses as the per-microbatch mean summed over layers (DP
-    mean), dropped choices and tokens per expert as totals; imbalance = max / mean tokens
-    per expert, worst layer (0 without MoE layers). One host read, of the four results."""
+                      microbatches: int, device, pipeline_group, data_parallel_group,
+                      sequence_group=None) -> dict[str, float]:
+    """This step's stats of the whole global batch, the same on every rank: a rank's chunks
+    summed over layers (pipeline group) and over the ranks that routed other tokens
+    (data-parallel group, with CP ranks; `sequence_group`: the TP group under sequence
+    parallelism, None without it, when TP ranks route the same tokens). Aux and z losses:
+    each rank's is its shard's share of the mean, so the mean over those ranks and
+    microbatches, summed over layers (Megatron averages them over TP x CP and DP); dropped
+    choices and tokens per expert: totals; imbalance = max / mean of the total tokens per
+    expert, worst layer (0 without MoE layers). One host read, of the four results."""
     table = torch.zeros(num_layers, 3 + num_experts, device=device)
     for state in states:
         for layer, row in state.rows.items():
             table[layer] += row.to(device)
-    comm.all_reduce(table, pipeline_group)
-    comm.all_reduce(table, data_parallel_group)
-    dp = comm.world_size(data_parallel_group)
+    for group in (pipeline_group, data_parallel_group, sequence_group):
+        comm.all_reduce(table, group)  # no-op for None
+    shards = comm.world_size(data_parallel_group) * comm.world_size(sequence_group)
     tokens = table[:, 3:]
     ratio = tokens.max(1).values / tokens.mean(1)  # NaN for dense layers (no tokens)
     imbalance = torch.where(tokens.sum(1) > 0, ratio, 0.0).max()
     aux, z, dropped, imbalance = torch.cat([table[:, :3].sum(0), imbalance.reshape(1)]).tolist()
-    return {STAT_NAMES[0]: aux / (microbatches * dp), STAT_NAMES[1]: z / (microbatches * dp),
+    return {STAT_NAMES[0]: aux / (microbatches * shards),
+            STAT_NAMES[1]: z / (microbatches * shards),
             STAT_NAMES[2]: dropped, "expert imbalance": imbalance}
 
 

@@ -141,8 +141,6 @@ class _ProcessGroups:
     grid: GridLayout | None = None
     tp_group = dp_group = pp_group = model_group = embedding_group = None
     cp_group = dp_cp_group = ep_group = expert_dp_group = None
-    tp_ranks: list[int] = []
-    dp_ranks: list[int] = []
     pp_ranks: list[int] = []
     embedding_ranks: list[int] = []
     virtual_rank: int | None = None  # the chunk being built (build_model_chunks)
@@ -193,10 +191,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         raise ValueError(f"the layout needs {grid.world_size} ranks, the job has {world}")
     destroy_model_parallel()  # a new layout replaces the groups of the previous one
     _groups.grid = grid
-    timeout = process_group_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    timeout = process_group_timeout() if timeout_s is None \
+        else datetime.timedelta(seconds=timeout_s)
     g = _groups
-    g.tp_group, g.tp_ranks = _new_groups(grid.tensor_groups(), rank, timeout)
-    g.dp_group, g.dp_ranks = _new_groups(grid.data_groups(), rank, timeout)
+    g.tp_group, _ = _new_groups(grid.tensor_groups(), rank, timeout)
+    g.dp_group, _ = _new_groups(grid.data_groups(), rank, timeout)
     g.cp_group, _ = _new_groups(grid.context_groups(), rank, timeout)
     g.dp_cp_group, _ = _new_groups(grid.data_context_groups(), rank, timeout)
     g.pp_group, g.pp_ranks = _new_groups(grid.pipeline_groups(), rank, timeout)
@@ -322,16 +321,8 @@ def get_pipeline_model_parallel_rank() -> int:
     return _coords()[3]
 
 
-def get_tensor_model_parallel_ranks() -> list[int]:
-    return list(_groups.tp_ranks)
-
-
 def get_pipeline_model_parallel_ranks() -> list[int]:
     return list(_groups.pp_ranks)
-
-
-def get_data_parallel_ranks() -> list[int]:
-    return list(_groups.dp_ranks)
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
@@ -399,13 +390,3 @@ def get_expert_data_parallel_group():
 
 def get_expert_model_parallel_world_size() -> int:
     return _groups.grid.ep if _groups.grid else 1
-
-
-def get_expert_model_parallel_rank() -> int:
-    return get_data_parallel_rank() % get_expert_model_parallel_world_size()
-
-
-def get_expert_data_parallel_rank() -> int:
-    """Rank in the expert-data-parallel group (DP / EP x CP ranks)."""
-    return get_data_parallel_rank() // get_expert_model_parallel_world_size() \
-        * get_context_parallel_world_size() + get_context_parallel_rank()

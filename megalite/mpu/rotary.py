@@ -2,7 +2,7 @@
 
 The head dim d is split in halves [x1 | x2]; position p rotates the pair (x1_i, x2_i) by
 p * inv_freq_i. Meta's original checkpoints and GGUF files interleave the pairs instead
-(x_2i, x_2i+1): their q/k weights need `megalite.hf.llama.unpermute_rotary` first.
+(x_2i, x_2i+1): their q/k weights need `megalite.hf.gguf.unpermute_rotary` first.
 """
 import math
 

@@ -1,12 +1,12 @@
 """Optimizers: fp32 main params (mixed precision), fp16 loss scaling, global-norm clipping,
 the distributed (ZeRO-1) optimizer and the learning-rate schedule.
 
-One training step, in this order (megalite.training.train_step):
+One training step, in this order (megalite.training.loop.train_step):
 
     for chunk in model: chunk.zero_grad_buffer()          # DistributedDataParallel
     optimizer.zero_grad()
     forward_backward(..., loss_scale=optimizer.loss_scale)  # executor scales the loss
-    finalize_model_grads(model)   # megalite.models.stage: DP mean in param.main_grad,
+    finalize_model_grads(model)   # megalite.distributed.finalize: DP mean in main_grad,
                                   # TP-partial grads summed, tied embedding grads summed
     stepped, grad_norm = optimizer.step(loss_is_finite)   # False: overflow / NaN, skipped
     if stepped: scheduler.step()

@@ -217,7 +217,7 @@ class MixedPrecisionOptimizer:
         caller passes the same value on every rank) or when the global grad norm, reduced
         over every rank holding a piece of the model, is not finite: every rank agrees.
         The host reads the grad statistics once (`grad_stats`, then `apply`); a training
-        step reads them together with its loss (megalite.training.train_step).
+        step reads them together with its loss (megalite.training.loop.train_step).
         """
         grad_norm, found_inf = self.grad_stats().tolist()
         return self.apply(grad_norm, found_inf > 0, loss_is_finite)

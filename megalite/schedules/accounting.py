@@ -145,7 +145,8 @@ def _peak(instructions: list[Instruction], up: Kind, down: frozenset) -> int:
 
 
 def peak_inflight_microbatches(table: Table, rank: int) -> Fraction:
-    """peak_inflight_activations in whole-stage microbatches (a chunk holds 1/v of the rank's layers)."""
+    """peak_inflight_activations in whole-stage microbatches (a chunk holds 1/v of the rank's
+    layers)."""
     return Fraction(peak_inflight_activations(table, rank), num_chunks(table))
 
 
@@ -159,15 +160,11 @@ def pipeline_summary(schedule: str, p: int, m: int, v: int = 1) -> str:
             f"in-flight microbatches per rank: {peaks}")
 
 
-def p2p_message_count(table: Table) -> int:
-    """Point-to-point messages (each send has one matching recv)."""
-    return sum(ins.kind in SENDS for rank in table for ins in rank)
-
-
 def _steps(instructions: list[Instruction]) -> list[list[int]]:
     """Indices grouped into steps: one per compute, one per run of sends/recvs (a batch)."""
     steps: list[list[int]] = []
-    for is_compute, group in groupby(range(len(instructions)), lambda i: instructions[i].kind in COMPUTE):
+    for is_compute, group in groupby(range(len(instructions)),
+                                     lambda i: instructions[i].kind in COMPUTE):
         steps.extend([[i] for i in group] if is_compute else [list(group)])
     return steps
 

@@ -36,7 +36,8 @@ class TrainingLogger:
     def __init__(self, configs: Configs, layout: RunLayout, model: list[nn.Module],
                  loss_key: str = "lm loss", flops: float | None = None) -> None:
         self.configs, self.layout, self.model, self.loss_key = configs, layout, model, loss_key
-        padded = pad_vocab_size(configs.model.vocab_size, configs.model.make_vocab_size_divisible_by,
+        padded = pad_vocab_size(configs.model.vocab_size,
+                                configs.model.make_vocab_size_divisible_by,
                                 configs.parallel.tensor_model_parallel_size)
         self.flops = flops if flops is not None else flops_per_iteration(
             configs.model, layout.global_batch_size, configs.train.seq_length, padded)
@@ -78,7 +79,8 @@ class TrainingLogger:
         self.writers.write(fields, iteration)
         parts = [f"iteration {iteration:6d}/{t.train_iters:6d}",
                  f"{self.loss_key} {fields[self.loss_key]:.4E}", f"lr {lr:.3E}",
-                 f"grad norm {fields['grad norm']:.3f}" if self.grad_norm is not None else "grad norm n/a"]
+                 f"grad norm {fields['grad norm']:.3f}" if self.grad_norm is not None
+                 else "grad norm n/a"]
         if self.configs.precision.fp16:
             parts.append(f"loss scale {loss_scale:.1f}")
         parts += [f"{name} {value:.4g}" for name, value in moe_stats.items()]
@@ -93,8 +95,8 @@ class TrainingLogger:
 
     def _moe_stats(self) -> dict[str, float]:
         """The last step's multi-token-prediction loss (with --mtp-num-layers), router losses,
-        dropped choices and expert imbalance (MoE models); collectives over the pipeline and
-        data-parallel groups."""
+        dropped choices and expert imbalance (MoE models), of the global batch; collectives
+        over the pipeline, data-parallel (with CP) and, under sequence parallelism, TP groups."""
         m = self.configs.model
         stats = {}
         if m.mtp_num_layers:
@@ -108,7 +110,8 @@ class TrainingLogger:
             moe_states(self.model), m.num_layers + (m.mtp_num_layers or 0), m.num_experts,
             self.layout.num_microbatches, device.current_device(),
             ps.get_pipeline_model_parallel_group(),
-            ps.get_data_parallel_group(with_context_parallel=True))
+            ps.get_data_parallel_group(with_context_parallel=True),
+            ps.get_tensor_model_parallel_group() if self.layout.sequence_parallel else None)
 
     def validation(self, iteration: int, loss: float) -> None:
         perplexity = math.exp(min(20.0, loss))

@@ -39,8 +39,8 @@ def log_pipeline(configs: Configs, layout: RunLayout) -> None:
 
 
 def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Module]) -> None:
-    """Log rank 0's model-state bytes from the planner's formula (megalite.planning.state_bytes) for its
-    parameters (dense ones sharded over DP x CP, experts over expert-DP)."""
+    """Log rank 0's model-state bytes from the planner's formula (megalite.planning.state_bytes)
+    for its parameters (dense ones sharded over DP x CP, experts over expert-DP)."""
     params = [p for chunk in model for p in chunk.parameters()]
     expert = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
     g, precision = layout.grid, planner.precision_name(configs)
