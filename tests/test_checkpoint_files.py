@@ -18,8 +18,8 @@ from megalite.checkpoint import files as checkpoint_io
 from megalite.config import parse_configs
 from megalite.layout import RunLayout
 from megalite.training.checks import check_before_start
-from tests.gpt_run import VOCAB, make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
+from tests.helpers.gpt_run import VOCAB, make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -8,9 +8,9 @@ stays within 2e-2 of the fp32 one (bf16 keeps 8 bits of mantissa: ~4e-3 per roun
 import pytest
 import torch
 
-from tests.gpt_run import make_dataset, tiny_args, train, train_with_grad_norms
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers.gpt_run import make_dataset, tiny_args, train, train_with_grad_norms
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 
 MOE_FLAGS = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
              "--ffn-hidden-size", "48", "--disable-bias-linear", "--num-experts", "8",

@@ -11,7 +11,7 @@ formulas are in megalite/planning/. `--validate` prints (a) the estimate against
 peak measured in real megalite training steps on CPU ranks and (b) published Megatron-LM
 configurations. What (a) measures, per rank, in fresh gloo processes: the bytes of the
 model state after the second step (parameters or their DP shards, grad buffers or shards,
-fp32 main params, optimizer state: tools/bench_fsdp.py's counting, each storage once) plus
+fp32 main params, optimizer state: megalite.planning.measured, each storage once) plus
 the high-water mark, during that step, of the bytes autograd holds for backward (unique
 storages, parameters excluded, counted from the moment a tensor is saved until autograd
 releases it) together with FSDP's gathered parameters and unsharded grads (sampled at
@@ -27,18 +27,17 @@ import functools
 import sys
 import weakref
 from collections import Counter
-from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
+from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig,
                              build_parser, config_from_args)
-from megalite.distributed.rank_pool import run_once  # noqa: E402
-from megalite.planning.activations import ACTIVATION_BYTES, ring_wire  # noqa: E402
-from megalite.planning.planner import Plan, plan  # noqa: E402
+from megalite.distributed.rank_pool import run_once
+from megalite.planning.activations import ACTIVATION_BYTES, ring_wire
+from megalite.planning.measured import fsdp_buffers, model_state_bytes
+from megalite.planning.planner import Plan, plan
 
 GIB = 2 ** 30
 SECTIONS = (ModelConfig, ParallelConfig, PrecisionConfig, OptimizerConfig, TrainConfig)
@@ -226,8 +225,6 @@ class LiveSavedBytes:
 def measure_rank(argv: list[str]) -> dict:
     """On every rank of a fresh process group: two real training steps of the configs in
     `argv`; the model state and the peak of saved-for-backward bytes in the second."""
-    from bench_fsdp import fsdp_buffers, model_state_bytes
-
     import pretrain_gpt
     from megalite import training
     from megalite.layout import RunLayout
@@ -257,7 +254,6 @@ def measure_rank(argv: list[str]) -> dict:
 
 
 def validate_memory() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_fsdp for the workers
     mib = 2 ** 20
     print("(a) Peak memory per rank (MiB): model state + saved activations + FSDP's gathered "
           "params, estimate | measured")

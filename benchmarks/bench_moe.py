@@ -20,19 +20,16 @@ megalite's step time. Prints figures; asserts only that the models agree at the 
 """
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.hf.moe import deepseek_moe_block_state, moe_config, moe_to_megalite  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.sharding import full_state_dict, load_full_state_dict  # noqa: E402
-from megalite.moe import MoELayer  # noqa: E402
-from megalite.moe.dispatcher import combine, dispatch, plan_dispatch  # noqa: E402
-from megalite.moe.router import load_balancing_loss, z_loss  # noqa: E402
+from megalite.hf.moe import deepseek_moe_block_state, moe_config, moe_to_megalite
+from megalite.models import GPTModel
+from megalite.models.sharding import full_state_dict, load_full_state_dict
+from megalite.moe import MoELayer
+from megalite.moe.dispatcher import combine, dispatch, plan_dispatch
+from megalite.moe.router import load_balancing_loss, z_loss
 
 
 def parse_args() -> argparse.Namespace:

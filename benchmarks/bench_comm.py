@@ -23,28 +23,25 @@ import argparse
 import itertools
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pretrain_gpt  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.distributed.finalize import sync_shared_embedding  # noqa: E402
-from megalite.distributed.rank_pool import run_once  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.stage import build_model_chunks  # noqa: E402
+import pretrain_gpt
+from megalite.config import ModelConfig
+from megalite.distributed.finalize import sync_shared_embedding
+from megalite.distributed.rank_pool import run_once
+from megalite.models import GPTModel
+from megalite.models.stage import build_model_chunks
 from megalite.mpu import (comm, destroy_model_parallel, initialize_model_parallel,
                           model_parallel_seed)
-from megalite.mpu import parallel_state as ps  # noqa: E402
-from megalite.placement import ONE_F_ONE_B  # noqa: E402
-from megalite.schedules import get_forward_backward_func, resolve_schedule  # noqa: E402
-from megalite.schedules.accounting import schedule_bubble  # noqa: E402
-from megalite.schedules.executor import observe_computes  # noqa: E402
-from megalite.schedules.instructions import COMPUTE  # noqa: E402
+from megalite.mpu import parallel_state as ps
+from megalite.placement import ONE_F_ONE_B
+from megalite.schedules import get_forward_backward_func, resolve_schedule
+from megalite.schedules.accounting import schedule_bubble
+from megalite.schedules.executor import observe_computes
+from megalite.schedules.instructions import COMPUTE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VOCAB = 256  # small, so that the first and last stage cost about what the others do

@@ -38,24 +38,21 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pretrain_gpt  # noqa: E402
-from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
+import pretrain_gpt
+from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
-from megalite.device import init_distributed, reduced_precision_warning  # noqa: E402
-from megalite.distributed import DistributedDataParallel  # noqa: E402
-from megalite.hf import load_gpt2, load_llama, to_gpt2_config, to_llama_config  # noqa: E402
-from megalite.models import GPTModel, TransformerSpec  # noqa: E402
-from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
-from megalite.optimizer import get_optimizer  # noqa: E402
-from megalite.layout import RunLayout  # noqa: E402
-from megalite.training.loop import train_step  # noqa: E402
+from megalite.device import init_distributed, reduced_precision_warning
+from megalite.distributed import DistributedDataParallel
+from megalite.hf import load_gpt2, load_llama, to_gpt2_config, to_llama_config
+from megalite.models import GPTModel, TransformerSpec
+from megalite.mpu import initialize_model_parallel, model_parallel_seed
+from megalite.optimizer import get_optimizer
+from megalite.layout import RunLayout
+from megalite.training.loop import train_step
 
 H100_BF16_DENSE = 989e12
 LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0

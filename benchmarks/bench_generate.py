@@ -8,22 +8,18 @@ the best of --repeats runs, and whether both produced the same tokens. fp32; on 
 a GPU is visible.
 """
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.device import current_device, init_distributed  # noqa: E402
-from megalite.hf.gpt2 import megalite_to_gpt2, to_gpt2_config  # noqa: E402
-from megalite.inference import SamplingParams, generate  # noqa: E402
-from megalite.inference.loading import build_inference_model  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.sharding import full_state_dict  # noqa: E402
-from megalite.mpu import initialize_model_parallel  # noqa: E402
+from megalite.config import ModelConfig
+from megalite.device import current_device, init_distributed
+from megalite.hf.gpt2 import megalite_to_gpt2, to_gpt2_config
+from megalite.inference import SamplingParams, generate
+from megalite.inference.loading import build_inference_model
+from megalite.models import GPTModel
+from megalite.models.sharding import full_state_dict
+from megalite.mpu import initialize_model_parallel
 
 
 def gpt2_pair() -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -20,22 +20,19 @@ Prints tables; asserts nothing. The machine's other load moves the times.
 import argparse
 import contextlib
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.distributed import DistributedDataParallel  # noqa: E402
-from megalite.distributed.finalize import finalize_model_grads  # noqa: E402
-from megalite.distributed.rank_pool import run_once  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
-from megalite.mpu import parallel_state as ps  # noqa: E402
-from megalite.mpu.context_parallel import get_batch_on_this_cp_rank  # noqa: E402
-from megalite.planning.activations import activation_bytes_per_layer  # noqa: E402
+from megalite.config import ModelConfig
+from megalite.distributed import DistributedDataParallel
+from megalite.distributed.finalize import finalize_model_grads
+from megalite.distributed.rank_pool import run_once
+from megalite.models import GPTModel
+from megalite.mpu import initialize_model_parallel, model_parallel_seed
+from megalite.mpu import parallel_state as ps
+from megalite.mpu.context_parallel import get_batch_on_this_cp_rank
+from megalite.planning.activations import activation_bytes_per_layer
 
 MiB = 2 ** 20
 # name -> (world, tp, cp, sequence parallel, microbatches per step)

@@ -18,22 +18,19 @@ moves them far less than wall time), the fastest of --repeats runs with the mode
 interleaved. Prints a table; asserts nothing.
 """
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pretrain_gpt  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.data.packed import pack_examples, pad_examples, token_weighted_batches  # noqa: E402
-from megalite.distributed.rank_pool import run_once  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
-from megalite.mpu.document_mask import DocumentMask  # noqa: E402
+import pretrain_gpt
+from megalite.config import ModelConfig
+from megalite.data.packed import pack_examples, pad_examples, token_weighted_batches
+from megalite.distributed.rank_pool import run_once
+from megalite.models import GPTModel
+from megalite.mpu import initialize_model_parallel, model_parallel_seed
+from megalite.mpu.document_mask import DocumentMask
 
 VOCAB = 1000
 

@@ -32,21 +32,18 @@ import os
 import resource
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.config import (ModelConfig, OptimizerConfig, PrecisionConfig,  # noqa: E402
+from megalite.config import (ModelConfig, OptimizerConfig, PrecisionConfig,
                              TrainConfig, build_parser, config_from_args)
-from megalite.device import init_distributed  # noqa: E402
-from megalite.distributed import DistributedDataParallel  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
-from megalite.optimizer import get_optimizer  # noqa: E402
+from megalite.device import init_distributed
+from megalite.distributed import DistributedDataParallel
+from megalite.models import GPTModel
+from megalite.mpu import initialize_model_parallel, model_parallel_seed
+from megalite.optimizer import get_optimizer
 
 PRECISIONS = {"fp32": PrecisionConfig(), "bf16": PrecisionConfig(bf16=True),
               "fp16": PrecisionConfig(fp16=True, initial_loss_scale=2.0 ** 16)}

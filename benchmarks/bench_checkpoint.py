@@ -18,7 +18,6 @@ import argparse
 import os
 import resource
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -27,19 +26,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite import checkpoint  # noqa: E402
-from megalite.checkpoint.files import (load_state, read_tensors, save_state,  # noqa: E402
+from megalite import checkpoint
+from megalite.checkpoint.files import (load_state, read_tensors, save_state,
                                        write_tensors)
-from megalite.config import parse_configs  # noqa: E402
-from megalite.device import current_device  # noqa: E402
-from megalite.distributed.rank_pool import run_once  # noqa: E402
-from megalite.layout import RunLayout  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.sharding import full_state_dict, load_full_state_dict  # noqa: E402
-from megalite.mpu import parallel_state as ps  # noqa: E402
-from megalite.optimizer import get_optimizer  # noqa: E402
-from megalite.training.setup import build_model, setup_parallel  # noqa: E402
+from megalite.config import parse_configs
+from megalite.device import current_device
+from megalite.distributed.rank_pool import run_once
+from megalite.layout import RunLayout
+from megalite.models import GPTModel
+from megalite.models.sharding import full_state_dict, load_full_state_dict
+from megalite.mpu import parallel_state as ps
+from megalite.optimizer import get_optimizer
+from megalite.training.setup import build_model, setup_parallel
 
 ZERO1, ZERO3 = ["--use-distributed-optimizer"], ["--data-parallel-sharding-strategy",
                                                  "optim_grads_params"]

@@ -12,20 +12,16 @@ query (no expansion of the cached positions). Decode tokens/s: new tokens after 
 over their time, best of --repeats.
 """
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.device import current_device, init_distributed  # noqa: E402
-from megalite.inference import SamplingParams, generate  # noqa: E402
-from megalite.inference.generation import GenerationStats  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.spec import TransformerSpec  # noqa: E402
-from megalite.mpu import initialize_model_parallel  # noqa: E402
+from megalite.config import ModelConfig
+from megalite.device import current_device, init_distributed
+from megalite.inference import SamplingParams, generate
+from megalite.inference.generation import GenerationStats
+from megalite.models import GPTModel
+from megalite.models.spec import TransformerSpec
+from megalite.mpu import initialize_model_parallel
 
 
 def configs(args) -> dict[str, ModelConfig]:

@@ -20,11 +20,9 @@ import argparse
 import functools
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from fractions import Fraction
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,19 +32,18 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pretrain_gpt  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.device import current_device, free_port, init_distributed  # noqa: E402
-from megalite.distributed.finalize import sync_shared_embedding  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.stage import build_model_chunks  # noqa: E402
-from megalite.mpu import destroy_model_parallel, initialize_model_parallel  # noqa: E402
-from megalite.placement import INTERLEAVED, ONE_F_ONE_B, ZB_H1, ZBV  # noqa: E402
-from megalite.schedules import SCHEDULE_KINDS, get_forward_backward_func  # noqa: E402
-from megalite.schedules.accounting import bubble_fraction, schedule_bubble  # noqa: E402
-from megalite.schedules.executor import observe_computes  # noqa: E402
-from megalite.schedules.instructions import Instruction, Kind  # noqa: E402
+import pretrain_gpt
+from megalite.config import ModelConfig
+from megalite.device import current_device, free_port, init_distributed
+from megalite.distributed.finalize import sync_shared_embedding
+from megalite.models import GPTModel
+from megalite.models.stage import build_model_chunks
+from megalite.mpu import destroy_model_parallel, initialize_model_parallel
+from megalite.placement import INTERLEAVED, ONE_F_ONE_B, ZB_H1, ZBV
+from megalite.schedules import SCHEDULE_KINDS, get_forward_backward_func
+from megalite.schedules.accounting import bubble_fraction, schedule_bubble
+from megalite.schedules.executor import observe_computes
+from megalite.schedules.instructions import Instruction, Kind
 
 P = 4
 LAYOUTS = {"loop, v=1": (None, False), "loop, v=2": (2, False), "V, v=2": (2, True)}
