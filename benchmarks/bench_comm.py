@@ -1,6 +1,7 @@
 """Bytes moved by megalite's TP and PP collectives, and the measured pipeline bubble.
 
-    python tools/bench_comm.py [--ranks 4 --hidden-size 256 --seq-length 128 --micro-batch-size 2]
+    python benchmarks/bench_comm.py [--ranks 4 --hidden-size 256 --seq-length 128 \\
+        --micro-batch-size 2]
 
 On `--ranks` gloo CPU ranks (OMP_NUM_THREADS=1 each). Prints figures; asserts nothing.
 
@@ -19,9 +20,7 @@ On `--ranks` gloo CPU ranks (OMP_NUM_THREADS=1 each). Prints figures; asserts no
   (p-1)/(v m). Ranks share the machine's cores: with more ranks than cores, computes slow
   down when more ranks are busy, which shrinks the measured bubble.
 """
-import argparse
 import itertools
-import os
 import statistics
 import time
 
@@ -42,6 +41,8 @@ from megalite.schedules import get_forward_backward_func, resolve_schedule
 from megalite.schedules.accounting import schedule_bubble
 from megalite.schedules.executor import observe_computes
 from megalite.schedules.instructions import COMPUTE
+
+from common import benchmark_parser, machine_line
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VOCAB = 256  # small, so that the first and last stage cost about what the others do
@@ -172,20 +173,18 @@ def report_pipeline(args: dict, world: int, steps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
+    parser = benchmark_parser(__doc__, ranks=4, steps=9)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--num-layers", type=int, default=2, help="L for the TP count")
     parser.add_argument("--microbatches", type=int, default=8, help="m, a multiple of --ranks")
     parser.add_argument("--vpp", type=int, default=2, help="chunks per rank, interleaved")
-    parser.add_argument("--steps", type=int, default=9, help="timed steps after one warm-up")
     a = parser.parse_args()
     args = {"hidden": a.hidden_size, "seq": a.seq_length, "micro": a.micro_batch_size,
             "layers": a.num_layers, "microbatches": a.microbatches, "vpp": a.vpp,
             "pipeline_layers": 2 * a.ranks * a.vpp}
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
+    print(machine_line() + "\n")
     report_tp(args, a.ranks)
     report_pipeline(args, a.ranks, a.steps)
 

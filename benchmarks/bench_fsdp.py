@@ -1,7 +1,7 @@
 """Data-parallel sharding strategies on CPU ranks: model-state memory, step time, and ZeRO-3
 against transformers' Llama on torch FSDP2.
 
-    python tools/bench_fsdp.py [--hidden-size 256 --num-layers 4 --seq-length 128 --steps 8]
+    python benchmarks/bench_fsdp.py [--hidden-size 256 --num-layers 4 --seq-length 128 --steps 8]
 
 One pool of gloo ranks per DP size (OMP_NUM_THREADS=1 per rank) runs every configuration
 in turn through megalite's own set-up (`training.build_model`, `get_optimizer`,
@@ -24,15 +24,15 @@ tied to the embedding, no dropout). Prints three tables; asserts nothing.
    first every other step); the loss of each step (mean over DP) and the median step time
    of each, their ratio.
 """
-import argparse
 import functools
 import statistics
-import time
 
 import torch
 
 from megalite.distributed.rank_pool import RankPool
 from megalite.planning.measured import model_state_bytes
+
+from common import benchmark_parser, machine_line, median_seconds, timed, turn_order
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
@@ -77,15 +77,12 @@ def _train_step(configs, layout, model, optimizer, tokens: torch.Tensor) -> floa
 def measure(argv: list[str], steps: int) -> dict:
     """On every rank: a warm-up step and `steps` timed ones; the model state after them."""
     configs, layout, model, optimizer = _setup(argv)
-    times = []
-    for tokens in _batches(configs, steps + 1):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        _train_step(configs, layout, model, optimizer, tokens)
-        times.append(time.perf_counter() - start)
+    batches = _batches(configs, steps + 1)
+    seconds = median_seconds(lambda i: _train_step(configs, layout, model, optimizer, batches[i]),
+                             steps, barrier=True)
     return {"state": model_state_bytes(model, optimizer),
             "params": sum(p.numel() for chunk in model for p in chunk.parameters()),
-            "time": statistics.median(times[1:])}
+            "time": seconds}
 
 
 def closed_form(argv: list[str], world: int) -> float:
@@ -145,23 +142,22 @@ def hf_versus_megalite(argv: list[str], steps: int) -> dict:
                 "transformers": transformers_step}
     losses, times = {name: [] for name in steps_of}, {name: [] for name in steps_of}
     for i, tokens in enumerate(_batches(configs, steps + 1)):
-        for name in sorted(steps_of, reverse=i % 2 == 1):  # each goes first every other step
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            losses[name].append(steps_of[name](tokens))
-            times[name].append(time.perf_counter() - start)
+        for name in turn_order(steps_of, i):
+            seconds, loss = timed(functools.partial(steps_of[name], tokens), barrier=True)
+            losses[name].append(loss)
+            times[name].append(seconds)
     return {"losses": losses, "time": {k: statistics.median(v[1:]) for k, v in times.items()}}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__, steps=8)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps after one warm-up")
     args = parser.parse_args()
+    print(machine_line())
     h = args.hidden_size
     model = ["--num-layers", str(args.num_layers), "--hidden-size", str(h),
              "--num-attention-heads", str(max(h // 64, 2)), "--ffn-hidden-size",
@@ -173,7 +169,8 @@ def main() -> None:
     mib = 2 ** 20
     print(f"Llama-shaped, {args.num_layers} layers, hidden {h}, vocab {args.vocab_size}; "
           f"gloo CPU ranks, OMP_NUM_THREADS=1\n")
-    print("1. Model state per rank, rank 0 (MiB): counted | closed form (megalite.planning.state_bytes)")
+    print("1. Model state per rank, rank 0 (MiB): counted | closed form "
+          "(megalite.planning.state_bytes)")
     print(f"{'DP':>2} {'precision':9} {'strategy':32} {'params':>7} {'grads':>7} {'optim.':>7} "
           f"{'total':>7} {'B/param':>7} {'closed':>7} {'ratio':>6}")
     timing = {}

@@ -1,7 +1,7 @@
 """Multi-head latent attention vs grouped-query attention at equal parameter count: decode
 speed and KV-cache bytes per token, one process, greedy, fp32.
 
-  python tools/bench_mla.py [--batch-sizes 1 8] [--prompt-len 128] [--new-tokens 32]
+  python benchmarks/bench_mla.py [--batch-sizes 1 8] [--prompt-len 128] [--new-tokens 32]
 
 Both are megalite GPT models (RMSNorm, RoPE, SwiGLU) of --layers x --hidden with --heads
 heads. GQA: --groups KV groups of head dim hidden / heads. MLA: latent --kv-lora-rank, RoPE
@@ -11,7 +11,6 @@ MLA cache holds the latent and the RoPE key per layer, attended with W_uk absorb
 query (no expansion of the cached positions). Decode tokens/s: new tokens after the first
 over their time, best of --repeats.
 """
-import argparse
 
 import torch
 
@@ -22,6 +21,8 @@ from megalite.inference.generation import GenerationStats
 from megalite.models import GPTModel
 from megalite.models.spec import TransformerSpec
 from megalite.mpu import initialize_model_parallel
+
+from common import benchmark_parser, machine_line
 
 
 def configs(args) -> dict[str, ModelConfig]:
@@ -64,8 +65,7 @@ def decode(models: list, prompts: list[list[int]], new: int, repeats: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, repeats=3)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -77,8 +77,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    print(machine_line())
     init_distributed()
     initialize_model_parallel(1, 1)
     models = {}

@@ -1,6 +1,6 @@
 """Megalite's pipeline schedules vs torch.distributed.pipelining's, on one model split.
 
-    python tools/bench_pipeline.py [--hidden 256 --seq 128 --micro-batch 2 --microbatches 8]
+    python benchmarks/bench_pipeline.py [--hidden 256 --seq 128 --micro-batch 2 --microbatches 8]
 
 The same GPT (megalite GPTModel chunks, same weights) over 4 gloo ranks, OMP_NUM_THREADS=1
 per rank: megalite 1f1b and zb-h1 (one stage of 2 layers per rank), interleaved (2 chunks,
@@ -44,6 +44,8 @@ from megalite.schedules import SCHEDULE_KINDS, get_forward_backward_func
 from megalite.schedules.accounting import bubble_fraction, schedule_bubble
 from megalite.schedules.executor import observe_computes
 from megalite.schedules.instructions import Instruction, Kind
+
+from common import benchmark_parser, machine_line
 
 P = 4
 LAYOUTS = {"loop, v=1": (None, False), "loop, v=2": (2, False), "V, v=2": (2, True)}
@@ -225,7 +227,7 @@ def simulated_bubble(ranks: list[dict], name: str, m: int, v: int) -> Fraction:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__, steps=5, warmup=1, seed=1234)
     parser.add_argument("--layers", type=int, default=8, help="multiple of 2p = 8")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
@@ -233,10 +235,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8, help="m, a multiple of p = 4")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
+    print(machine_line())
 
     os.environ["OMP_NUM_THREADS"] = "1"
     port = free_port()
