@@ -121,9 +121,7 @@ def bench(flags: list[str], model_flags: list[str], root: str, repeats: int) -> 
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, ranks=8, repeats=3)
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=12)
+    parser = benchmark_parser(__doc__, ranks=8, repeats=3, num_layers=12, hidden_size=512)
     args = parser.parse_args()
     print(machine_line())
     model_flags = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),

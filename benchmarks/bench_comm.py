@@ -173,10 +173,8 @@ def report_pipeline(args: dict, world: int, steps: int) -> None:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, ranks=4, steps=9)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser = benchmark_parser(__doc__, ranks=4, steps=9, hidden_size=256, seq_length=128,
+                              micro_batch_size=2)
     parser.add_argument("--num-layers", type=int, default=2, help="L for the TP count")
     parser.add_argument("--microbatches", type=int, default=8, help="m, a multiple of --ranks")
     parser.add_argument("--vpp", type=int, default=2, help="chunks per rank, interleaved")

@@ -150,12 +150,8 @@ def hf_versus_megalite(argv: list[str], steps: int) -> dict:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, steps=8)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser = benchmark_parser(__doc__, steps=8, num_layers=4, hidden_size=256, vocab_size=2048,
+                              seq_length=128, micro_batch_size=4)
     args = parser.parse_args()
     print(machine_line())
     h = args.hidden_size

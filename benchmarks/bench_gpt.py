@@ -60,19 +60,15 @@ LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
 
 
 def parse_args() -> argparse.Namespace:
-    p = benchmark_parser(__doc__, device="cpu", warmup=2)
+    p = benchmark_parser(__doc__, device="cpu", warmup=2, num_layers=4, hidden_size=512,
+                         num_attention_heads=8, vocab_size=8192, seq_length=512,
+                         micro_batch_size=8)
     p.add_argument("--model", default="gpt2", choices=sorted(FAMILIES),
                    help="gpt2: GPT2LMHeadModel; llama: LlamaForCausalLM (RMSNorm, rope, SwiGLU, "
                         "GQA, untied head)")
     p.add_argument("--num-query-groups", type=int, default=2, help="llama: KV groups")
     p.add_argument("--ffn-hidden-size", type=int, default=None,
                    help="MLP width (default: 4h for gpt2, 1408 for llama)")
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-attention-heads", type=int, default=8)
-    p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--seq-length", type=int, default=512)
-    p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--reps", type=int, default=8, help="timed steps per model and precision")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")

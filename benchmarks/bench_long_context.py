@@ -70,11 +70,8 @@ def _case(args, tp: int, cp: int, sp: bool, microbatches: int) -> dict:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, steps=2)
-    parser.add_argument("--seq-length", type=int, default=4096)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--num-attention-heads", type=int, default=2)
-    parser.add_argument("--num-layers", type=int, default=2)
+    parser = benchmark_parser(__doc__, steps=2, num_layers=2, hidden_size=128,
+                              num_attention_heads=2, seq_length=4096)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     args = parser.parse_args()
     print(machine_line())

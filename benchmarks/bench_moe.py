@@ -35,17 +35,12 @@ from common import benchmark_parser, machine_line, median_seconds, timed, turn_o
 
 
 def parse_args() -> argparse.Namespace:
-    p = benchmark_parser(__doc__, device="cuda" if torch.cuda.is_available() else "cpu",
-                         steps=6, warmup=2)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-attention-heads", type=int, default=4)
+    p = benchmark_parser(__doc__, device="cuda" if torch.cuda.is_available() else "cpu", steps=6,
+                         warmup=2, num_layers=2, hidden_size=256, num_attention_heads=4,
+                         vocab_size=4096, seq_length=256, micro_batch_size=4)
     p.add_argument("--moe-ffn-hidden-size", type=int, default=512)
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--deepseek-block", action="store_true",
                    help="time the DeepSeek-V3 MoE block alone (sigmoid, groups, shared expert)")
     p.add_argument("--num-groups", type=int, default=8, help="--deepseek-block: n_group")

@@ -132,13 +132,9 @@ def _bench(args) -> dict:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, repeats=3)
-    parser.add_argument("--seq-length", type=int, default=512)
+    parser = benchmark_parser(__doc__, repeats=3, num_layers=4, hidden_size=256,
+                              num_attention_heads=4, seq_length=512, micro_batch_size=4)
     parser.add_argument("--conversations", type=int, default=64)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=4)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
     args = parser.parse_args()
     print(machine_line())
     r = run_once(1, _bench, args, timeout=3000)[0]

@@ -1,7 +1,7 @@
 """What the benchmarks share: their command line, the machine line each prints first, timing,
 and counters of host memory and of the bytes autograd saves.
 
-    parser = benchmark_parser(__doc__, steps=8, warmup=1)  # the standard flags it takes
+    parser = benchmark_parser(__doc__, steps=8, hidden_size=256)  # standard flags, defaults
     print(machine_line())                                  # load average: timings need it
     seconds, loss = timed(step, device)                    # GPU work finished, ranks together
     for name in turn_order(steps, i): ...                  # each goes first every other round
@@ -24,7 +24,10 @@ STANDARD = {"ranks": "gloo ranks, one process each (OMP_NUM_THREADS=1)",
             "steps": "timed steps (after the warm-up)",
             "warmup": "untimed steps first",
             "repeats": "runs of each measurement, the best kept",
-            "seed": "seed of the weights and the data"}
+            "seed": "seed of the weights and the data",
+            "num_layers": "transformer layers L", "hidden_size": "hidden size h",
+            "num_attention_heads": "attention heads a", "vocab_size": "vocabulary size V",
+            "seq_length": "tokens per sequence s", "micro_batch_size": "sequences per microbatch b"}
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
@@ -34,10 +37,12 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
 
 def add_standard_flags(parser: argparse.ArgumentParser, device: str | None = None,
                        **defaults: int) -> argparse.ArgumentParser:
-    """Add the standard integer flags named in `defaults` (ranks, steps, warmup, repeats, seed:
-    each with its default) and, given a default `device`, --device {cpu, cuda}."""
+    """Add the standard integer flags named in `defaults` with their defaults (a key of
+    STANDARD: the run's ranks, steps, warm-up, repeats, seed; the model's shape, megalite's
+    flag names) and, given a default `device`, --device {cpu, cuda}."""
     for name, default in defaults.items():
-        parser.add_argument(f"--{name}", type=int, default=default, help=STANDARD[name])
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                            help=STANDARD[name])
     if device is not None:
         parser.add_argument("--device", default=device, choices=["cpu", "cuda"],
                             help="where the models run")
