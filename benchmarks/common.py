@@ -58,10 +58,10 @@ def benchmark_parser(doc: str, device: str | None = None,
 
 
 def machine_line() -> str:
-    """The load average (1, 5, 15 min) on this machine's cores and torch's version: a time
-    measured on a shared machine means little without the load beside it."""
+    """The load average (1, 5, 15 min) on this machine's cores: a time measured on a shared
+    machine means little without the load beside it."""
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"load average {load} on {os.cpu_count()} cores; torch {torch.__version__}"
+    return f"load average {load} on {os.cpu_count()} cores"
 
 
 def sync(device: torch.device | None) -> None:
