@@ -20,6 +20,7 @@ On `--ranks` gloo CPU ranks (OMP_NUM_THREADS=1 each). Prints figures; asserts no
   (p-1)/(v m). Ranks share the machine's cores: with more ranks than cores, computes slow
   down when more ranks are busy, which shrinks the measured bubble.
 """
+import functools
 import itertools
 import statistics
 import time
@@ -89,7 +90,8 @@ def pipeline(args: dict, cases: list[tuple[int, int]], steps: int) -> dict:
 
         def forward_step(data_iterator, chunk):
             batch = next(data_iterator)
-            return chunk(batch[:, :-1], batch[:, 1:]), pretrain_gpt.loss_func
+            return chunk(batch[:, :-1], batch[:, 1:]), functools.partial(pretrain_gpt.loss_func,
+                                                                         None, None)
 
         def step():
             get_forward_backward_func()(
