@@ -63,11 +63,9 @@ def measure(runs: list, batch: int, prompt_len: int, new: int, repeats: int) -> 
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, repeats=3)
+    parser = benchmark_parser(__doc__, repeats=3, batch_sizes=[1, 8], prompt_len=64,
+                              new_tokens=32)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
     print(machine_line())
     init_distributed()

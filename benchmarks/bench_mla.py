@@ -65,7 +65,8 @@ def decode(models: list, prompts: list[list[int]], new: int, repeats: int
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, repeats=3)
+    parser = benchmark_parser(__doc__, repeats=3, batch_sizes=[1, 8], prompt_len=128,
+                              new_tokens=32)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -74,9 +75,6 @@ def main() -> None:
     parser.add_argument("--qk-dim", type=int, default=48)
     parser.add_argument("--rope-dim", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
     print(machine_line())
     init_distributed()

@@ -27,7 +27,9 @@ STANDARD = {"ranks": "gloo ranks, one process each (OMP_NUM_THREADS=1)",
             "seed": "seed of the weights and the data",
             "num_layers": "transformer layers L", "hidden_size": "hidden size h",
             "num_attention_heads": "attention heads a", "vocab_size": "vocabulary size V",
-            "seq_length": "tokens per sequence s", "micro_batch_size": "sequences per microbatch b"}
+            "seq_length": "tokens per sequence s", "micro_batch_size": "sequences per microbatch b",
+            "batch_sizes": "prompts per generate call, one run each",
+            "prompt_len": "tokens per prompt", "new_tokens": "tokens generated per prompt"}
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
@@ -36,12 +38,14 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
 
 
 def add_standard_flags(parser: argparse.ArgumentParser, device: str | None = None,
-                       **defaults: int) -> argparse.ArgumentParser:
+                       **defaults: int | list[int]) -> argparse.ArgumentParser:
     """Add the standard integer flags named in `defaults` with their defaults (a key of
     STANDARD: the run's ranks, steps, warm-up, repeats, seed; the model's shape, megalite's
-    flag names) and, given a default `device`, --device {cpu, cuda}."""
+    flag names; generation's prompts; a list default takes several values) and, given a
+    default `device`, --device {cpu, cuda}."""
     for name, default in defaults.items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                            nargs="+" if isinstance(default, list) else None,
                             help=STANDARD[name])
     if device is not None:
         parser.add_argument("--device", default=device, choices=["cpu", "cuda"],
@@ -50,7 +54,7 @@ def add_standard_flags(parser: argparse.ArgumentParser, device: str | None = Non
 
 
 def benchmark_parser(doc: str, device: str | None = None,
-                     **defaults: int) -> argparse.ArgumentParser:
+                     **defaults: int | list[int]) -> argparse.ArgumentParser:
     """A benchmark's parser: `doc` (its module docstring) as --help's description, and the
     standard flags of add_standard_flags."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=_HelpFormatter)
