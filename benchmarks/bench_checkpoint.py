@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import checkpoint
-from megalite.checkpoint.files import (load_state, read_tensors, save_state,
-                                       write_tensors)
+from megalite.checkpoint.files import load_state, read_tensors, save_state, write_tensors
 from megalite.config import parse_configs
 from megalite.device import current_device
 from megalite.distributed.rank_pool import run_once
