@@ -4,8 +4,8 @@ against transformers' Llama on torch FSDP2.
     python benchmarks/bench_fsdp.py [--hidden-size 256 --num-layers 4 --seq-length 128 --steps 8]
 
 One pool of gloo ranks per DP size (OMP_NUM_THREADS=1 per rank) runs every configuration
-in turn through megalite's own set-up (`training.build_model`, `get_optimizer`,
-`training.train_step`) on a Llama-shaped model (RMSNorm, rope, SwiGLU, 2 KV groups, head
+in turn through megalite's own set-up (`build_model`, `get_optimizer`, `train_step` of
+megalite.training) on a Llama-shaped model (RMSNorm, rope, SwiGLU, 2 KV groups, head
 tied to the embedding, no dropout). Prints three tables; asserts nothing.
 
 1. Model state per rank at DP 2 and 4, fp32 and bf16, each strategy (and optim /
@@ -31,6 +31,8 @@ import torch
 
 from megalite.distributed.rank_pool import RankPool
 from megalite.planning.measured import model_state_bytes
+from megalite.training.loop import train_step
+from megalite.training.setup import build_model, setup_parallel
 
 from common import benchmark_parser, machine_line, median_seconds, timed, turn_order
 
@@ -54,14 +56,13 @@ def _batches(configs, steps: int) -> list[torch.Tensor]:
 def _setup(argv: list[str], provider=None):
     """(configs, layout, model chunks, optimizer) built as pretrain_gpt builds them."""
     import pretrain_gpt
-    from megalite import training
     from megalite.config import parse_configs
     from megalite.layout import RunLayout
     from megalite.optimizer import get_optimizer
     configs = parse_configs(argv)
     layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
-    training.setup_parallel(configs, layout)
-    model = training.build_model(configs, provider or functools.partial(
+    setup_parallel(configs, layout)
+    model = build_model(configs, provider or functools.partial(
         pretrain_gpt.model_provider, configs))
     optimizer, _ = get_optimizer(configs.optimizer, configs.precision, model, 10)
     return configs, layout, model, optimizer
@@ -69,9 +70,8 @@ def _setup(argv: list[str], provider=None):
 
 def _train_step(configs, layout, model, optimizer, tokens: torch.Tensor) -> float:
     import pretrain_gpt
-    from megalite import training
-    return training.train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]), model,
-                               optimizer, layout)[0]
+    return train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]), model, optimizer,
+                      layout)[0]
 
 
 def measure(argv: list[str], steps: int) -> dict:

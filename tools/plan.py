@@ -226,22 +226,23 @@ def measure_rank(argv: list[str]) -> dict:
     """On every rank of a fresh process group: two real training steps of the configs in
     `argv`; the model state and the peak of saved-for-backward bytes in the second."""
     import pretrain_gpt
-    from megalite import training
+    from megalite.training.loop import train_step
+    from megalite.training.setup import build_model, setup_parallel
     from megalite.layout import RunLayout
     from megalite.mpu import parallel_state as ps
     from megalite.optimizer import get_optimizer
     configs, _ = parse(argv)
     layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
-    training.setup_parallel(configs, layout)
-    model = training.build_model(configs, functools.partial(pretrain_gpt.model_provider, configs))
+    setup_parallel(configs, layout)
+    model = build_model(configs, functools.partial(pretrain_gpt.model_provider, configs))
     optimizer, _ = get_optimizer(configs.optimizer, configs.precision, model, 10)
     t = configs.train
     generator = torch.Generator().manual_seed(ps.get_data_parallel_rank())
     data = iter(lambda: {"tokens": torch.randint(0, configs.model.vocab_size,
                                                  (t.micro_batch_size, t.seq_length + 1),
                                                  generator=generator)}, None)
-    step = functools.partial(training.train_step, pretrain_gpt.forward_step, data, model,
-                             optimizer, layout)
+    step = functools.partial(train_step, pretrain_gpt.forward_step, data, model, optimizer,
+                             layout)
     step()  # allocates the optimizer state
     saved = LiveSavedBytes([q for chunk in model for q in chunk.parameters()],
                            functools.partial(fsdp_buffers, model))
