@@ -1,5 +1,5 @@
 """Shared test setup: offline Hugging Face; the device of single-process tests; the rank pools
-(tests/multirank.py: one per world size, replaced when their workers accumulate threads) are
+(tests/helpers/multirank.py: one per world size, replaced when their workers accumulate threads) are
 closed at the end of the session.
 
 Device: single-process tests that compute take the `device` fixture, code that runs on ranks
@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from megalite.device import current_device, set_tf32, use_deterministic_kernels  # noqa: E402
-from tests.multirank import close_pools  # noqa: E402
+from tests.helpers.multirank import close_pools  # noqa: E402
 
 set_tf32(False)
 use_deterministic_kernels()
@@ -39,5 +39,5 @@ def smollm2_state(tmp_path_factory) -> str:
     """SmolLM2-135M-Instruct converted by megalite.hf once per session (dequantising the GGUF
     takes ~9 s): the state file of tests/smollm2.write_megalite_state."""
     from megalite.hf import smollm2_gguf_path
-    from tests.smollm2 import write_megalite_state
+    from tests.helpers.smollm2 import write_megalite_state
     return write_megalite_state(smollm2_gguf_path(), str(tmp_path_factory.mktemp("smollm2")))

@@ -15,8 +15,8 @@ from megalite.optimizer.kinds import apex_fused_adam
 from megalite.optimizer.optimizer import load_portable_state_dict, portable_state_dict
 from megalite.layout import RunLayout
 from megalite.training.checks import check_before_start
-from tests.gpt_run import VOCAB, make_dataset, make_sp_model, tiny_args, train
-from tests.multirank import run_on_ranks
+from tests.helpers.gpt_run import VOCAB, make_dataset, make_sp_model, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from megalite.hf.bert import bert_config, load_bert, read_bert_dir, save_bert_dir
 from megalite.models.bert import BertModel
 from megalite.models.sharding import full_state_dict
-from tests.reference import rel_err
+from tests.helpers.reference import rel_err
 from tests.test_bert_hf_parity import NUM_LABELS, _batch, minilm_dir, tiny_bert
 
 

@@ -21,8 +21,8 @@ from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel
 from megalite.mpu.mappings import gather_from_tensor_model_parallel_region
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 
 LAYOUTS = ((1, 1), (2, 1), (2, 2))
 CASES = (("random", "mlm"), ("minilm", "classification"))

@@ -1,5 +1,5 @@
 """Chat on real weights: SmolLM2-135M-Instruct (its GGUF converted once into a megalite
-checkpoint with the GGUF's tokenizer and chat template, tests/smollm2.py) behind
+checkpoint with the GGUF's tokenizer and chat template, tests/helpers/smollm2.py) behind
 tools/serve.py's /v1/chat/completions and tools/generate.py --chat, against transformers'
 `apply_chat_template(..., add_generation_prompt=True)` + greedy `generate` on its own GGUF
 load (cached), answer text for answer text, streamed or not."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megalite.hf import smollm2_gguf_path
-from tests.multirank import run_on_ranks
-from tests.smollm2 import cached_checkpoint, cached_reference
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.smollm2 import cached_checkpoint, cached_reference
 from tests.test_inference_server import _post, _stream_events, serve
 
 CHATS = (

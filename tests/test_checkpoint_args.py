@@ -20,8 +20,8 @@ from megalite.data import builtin_corpus as bc
 from megalite.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 from megalite.layout import RunLayout
 from megalite.training.checks import check_before_start
-from tests.gpt_run import make_dataset, make_sp_model, tiny_args, train
-from tests.multirank import run_on_ranks
+from tests.helpers.gpt_run import make_dataset, make_sp_model, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
 from tests.test_data_builtin import small_documents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

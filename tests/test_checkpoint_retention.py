@@ -8,8 +8,8 @@ import os
 import pytest
 
 from megalite import checkpoint
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
 
 
 @pytest.fixture(scope="module")

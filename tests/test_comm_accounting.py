@@ -20,7 +20,7 @@ from megalite.models.stage import build_model_chunks
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.schedules import get_forward_backward_func
-from tests.multirank import run_on_ranks
+from tests.helpers.multirank import run_on_ranks
 
 LAYERS, HIDDEN, SEQ, MICRO, FP32 = 4, 32, 8, 2, 4
 

@@ -17,11 +17,11 @@ from megalite.hf import (gpt2_config, gpt2_to_megalite, llama_config, llama_to_m
 from megalite.mpu import comm
 from megalite.mpu.parallel_state import GridLayout
 from megalite.layout import RunLayout, check_sequence_split
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
-from tests.parallel_step import VOCAB, SEQ, global_batch, parallel_step
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.parallel_step import VOCAB, SEQ, global_batch, parallel_step
 from tests.test_llama_hf_parity import tiny_llama
-from tests.reference import hf_token_loss, rel_err, tiny_gpt2
+from tests.helpers.reference import hf_token_loss, rel_err, tiny_gpt2
 
 TOL = 1e-5
 LAYOUTS = {"tp2 cp2 pp2": (2, 2, 2, False), "cp4 dp2": (1, 1, 4, False),

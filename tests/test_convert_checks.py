@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from megalite import checkpoint
 from megalite.hf.gguf import unpermute_rotary
-from tests.multirank import run_on_ranks
-from tests.reference import tiny_gpt2
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import tiny_gpt2
 from tests.test_llama_hf_parity import tiny_llama
 from tools import convert_checkpoint
 

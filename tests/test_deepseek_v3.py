@@ -5,7 +5,7 @@ explicit reference written here: per depth k, plain-torch RMSNorms, the [emb; h]
 and cross entropy over the tokens i + k + 1 inside the sequence, the block being
 transformers' own DeepseekV3DecoderLayer loaded with the MTP block's weights.
 
-One step through the real training path (tests.parallel_step: DDP, pipeline schedule,
+One step through the real training path (tests.helpers.parallel_step: DDP, pipeline schedule,
 pretrain_gpt.forward_step) at one rank, TP2 with sequence parallelism, PP2, TP2 x PP2 and CP2
 (CP without MTP: refused, see test_mtp_with_context_parallelism_is_refused): the main loss,
 the MTP loss and every gradient within 1e-5 relative of the references. Generation with the
@@ -24,10 +24,10 @@ from megalite.layout import RunLayout
 from megalite.models import GPTModel
 from megalite.models.sharding import full_names, load_full_state_dict, persistent_buffers
 from megalite.mpu import initialize_model_parallel
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
-from tests.parallel_step import VOCAB, global_batch, parallel_step
-from tests.reference import rel_err, random_hf_model
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.parallel_step import VOCAB, global_batch, parallel_step
+from tests.helpers.reference import rel_err, random_hf_model
 
 TOL = 1e-5
 MTP_FACTOR = 0.3

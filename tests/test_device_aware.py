@@ -49,7 +49,7 @@ class _Module:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.tree = ast.parse((TESTS / f"{name.removeprefix('tests.')}.py").read_text())
+        self.tree = ast.parse(_path(name).read_text())
         self.defs = {n.name: n for n in self.tree.body
                      if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         self.aliases, self.parent = {}, {}
@@ -74,6 +74,11 @@ class _Module:
         return f"{self.aliases[head]}.{rest}" if rest else self.aliases[head]
 
 
+def _path(module: str) -> pathlib.Path:
+    """The file of a module of tests/ ("tests.helpers.gpt_run" -> tests/helpers/gpt_run.py)."""
+    return TESTS.parent.joinpath(*module.split(".")).with_suffix(".py")
+
+
 @functools.cache
 def _module(name: str) -> _Module:
     return _Module(name)
@@ -84,7 +89,7 @@ def _tests_def(path: str | None) -> tuple[str, str] | None:
     if not path or not path.startswith("tests."):
         return None
     module, _, name = path.rpartition(".")
-    if (TESTS / f"{module.removeprefix('tests.')}.py").exists() and name in _module(module).defs:
+    if _path(module).exists() and name in _module(module).defs:
         return module, name
     return None
 
@@ -116,18 +121,18 @@ def _pool_argument(module: _Module, call: ast.Call) -> ast.expr | None:
 
 def _rank_entry_points() -> tuple[set[tuple[str, str]], list[str]]:
     """(the definitions handed to rank pools, 'file:line' of pool calls whose function the
-    check cannot follow). tests/multirank.py is the pool's own plumbing."""
+    check cannot follow). tests/helpers/multirank.py is the pool's own plumbing."""
     entries, unknown = set(), []
-    for path in TESTS.glob("*.py"):
-        module = _module(f"tests.{path.stem}")
+    for path in TESTS.rglob("*.py"):
+        module = _module(".".join(path.relative_to(TESTS.parent).with_suffix("").parts))
         for call in ast.walk(module.tree):
-            if module.name == "tests.multirank" or not isinstance(call, ast.Call):
+            if module.name == "tests.helpers.multirank" or not isinstance(call, ast.Call):
                 continue
             if (argument := _pool_argument(module, call)) is not None:
                 found = _referenced(module, argument)
                 entries |= found
                 if not found:
-                    unknown.append(f"tests/{path.name}:{call.lineno}")
+                    unknown.append(f"{path.relative_to(TESTS.parent)}:{call.lineno}")
     return entries, unknown
 
 
@@ -173,14 +178,15 @@ def undeviced_calls() -> list[str]:
         module = _module(module_name)
         for call in ast.walk(module.defs[name]):
             if isinstance(call, ast.Call) and (what := _needs_device(module, call)):
-                found.append(f"tests/{module_name.removeprefix('tests.')}.py:{call.lineno} {what}")
+                found.append(f"{_path(module_name).relative_to(TESTS.parent)}:{call.lineno} {what}")
     return sorted(set(found))
 
 
 def test_the_check_follows_rank_code_through_helpers_and_classes():
     reached = rank_code()
-    assert {("tests.test_tp_layers", "_check_column"), ("tests.parallel_step", "global_batch"),
-            ("tests.dp_reference", "Reference"), ("tests.gpt_run", "train"),
+    assert {("tests.test_tp_layers", "_check_column"),
+            ("tests.helpers.parallel_step", "global_batch"),
+            ("tests.helpers.dp_reference", "Reference"), ("tests.helpers.gpt_run", "train"),
             ("tests.test_zero_bubble", "_NormedColumn")} <= reached
     assert ("tests.test_tp_layers", "test_tp_layers_match_torch_on_8_ranks") not in reached
 

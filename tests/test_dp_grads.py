@@ -16,8 +16,8 @@ grads and params equal the one-bucket run's; with overlap off every launch comes
 the last grad (finish_grad_sync) and the numbers are the same again.
 """
 from megalite.mpu import comm
-from tests.multirank import run_on_ranks
-from tests.dp_reference import (Reference, batches, build, compute_grads, full_params,
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.dp_reference import (Reference, batches, build, compute_grads, full_params,
                                   init_grid, local_slice, max_rel_err, opt_config, rank_group)
 
 STEPS, GLOBAL_BATCH = 3, 16

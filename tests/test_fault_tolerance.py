@@ -15,8 +15,8 @@ import torch
 from megalite import checkpoint
 from megalite.device import current_device
 from megalite.distributed.rank_pool import on_gpus, run_once
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONSTANT_LR = ["--lr-decay-style", "constant", "--lr-warmup-iters", "0"]

@@ -11,7 +11,7 @@ from megalite import checkpoint
 from megalite.config import ModelConfig
 from megalite.models.bert import BertModel
 from megalite.models.sharding import load_full_state_dict
-from tests.reference import rel_err
+from tests.helpers.reference import rel_err
 from tests.test_bert_hf_parity import NUM_LABELS, _batch, tiny_bert
 from tools import convert_checkpoint
 

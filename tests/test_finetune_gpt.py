@@ -14,7 +14,7 @@ import torch
 
 from megalite.data.chat_data import encode_conversation
 from megalite.data.tokenizers import HFTokenizer
-from tests.multirank import run_on_ranks
+from tests.helpers.multirank import run_on_ranks
 from tests.test_chat_template import TEMPLATE, WORDS, _tokenizer_dir
 
 LAYOUTS = {"dp4 packed": [], "dp4 padded": ["--no-packing"],

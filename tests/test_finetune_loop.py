@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import finetune_bert
 import pretrain_gpt
 from megalite import checkpoint
-from tests.multirank import run_on_ranks
+from tests.helpers.multirank import run_on_ranks
 from tests.test_finetune_run import task_args, write_task_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,8 +18,8 @@ from megalite import checkpoint
 from megalite.config import ModelConfig, parse_configs
 from megalite.models.bert import BertModel
 from megalite.models.sharding import load_full_state_dict
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 
 COLOURS, ANIMALS = ["red", "green", "blue", "yellow"], ["cat", "dog", "bird", "fish"]
 NOISE = ["the", "a", "is", "on", "under", "big", "small"]

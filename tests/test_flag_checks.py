@@ -11,8 +11,8 @@ import pytest
 
 import pretrain_gpt
 from megalite.config import Configs, OptimizerConfig, parse_configs
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,9 @@ import torch
 
 from megalite.config import parse_configs
 from megalite.layout import RunLayout
-from tests.gpt_run import make_dataset, tiny_args, train, train_with_grad_norms
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers.gpt_run import make_dataset, tiny_args, train, train_with_grad_norms
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 from tests.test_moe_training import MOE_FLAGS
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "16",
@@ -100,7 +100,7 @@ def test_llama_grads_at_tp2_dp4_zero3_equal_transformers_per_shard():
     loss over 8 sequences, here, against the ranks' reduced shards."""
     from megalite.hf import llama_config
     from megalite.hf.llama import llama_to_megalite
-    from tests.reference import hf_token_loss
+    from tests.helpers.reference import hf_token_loss
     from tests.test_llama_hf_parity import SEQ, VOCAB, tiny_llama
     hf = tiny_llama(num_key_value_heads=2)
     config = llama_config(hf.config)

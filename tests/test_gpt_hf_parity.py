@@ -13,8 +13,8 @@ from megalite.hf import gpt2_config, load_gpt2, megalite_to_gpt2
 from megalite.models import GPTModel
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
-from tests.multirank import run_on_ranks
-from tests.reference import hf_parity_errors, tiny_gpt2
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import hf_parity_errors, tiny_gpt2
 
 VOCAB, SEQ = 203, 13
 

@@ -14,9 +14,9 @@ from megalite.layout import RunLayout
 from megalite.models import GPTModel
 from megalite.optimizer import get_optimizer
 from megalite.training.setup import build_model, setup_parallel
-from tests.gpt_run import make_dataset, tiny_args
-from tests.multirank import run_on_ranks
-from tests.reference import tiny_gpt2
+from tests.helpers.gpt_run import make_dataset, tiny_args
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import tiny_gpt2
 from tests.test_deepseek_v3 import tiny_deepseek_v3
 from tests.test_llama_hf_parity import tiny_llama
 from tests.test_moe_hf_parity import tiny_moe

@@ -27,7 +27,7 @@ from megalite.config import parse_configs
 from megalite.device import current_device
 from megalite.models import GPTModel
 from megalite.training.task import Task
-from tests.multirank import run_on_ranks
+from tests.helpers.multirank import run_on_ranks
 
 aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default: "item", aten.equal.default: "equal"}

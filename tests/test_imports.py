@@ -12,8 +12,18 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[1] / "megalite"
-LOW = ["config.py", "mpu"]  # below the units in HIGH
-HIGH = {"megalite.schedules", "megalite.models", "megalite.training"}
+LOW = ["config", "mpu"]  # below the units in HIGH
+HIGH = {"megalite.schedules", "megalite.models", "megalite.training", "megalite.tasks"}
+TOP = {"config", "layout", "placement", "sharding", "device"}  # the modules everything reads
+LEAVES = {f"megalite.{name}" for name in TOP - {"config", "layout"}}  # import no other unit
+# unit -> the only units it may import
+ONLY = {"megalite.config": LEAVES, "megalite.mpu": LEAVES | {"megalite.config"},
+        **{leaf: set() for leaf in LEAVES}}
+# unit -> units it must not import: the checkpoint format knows nothing of the loop, the
+# planner's closed forms nothing of the loop they describe, the loop nothing of the tasks on it
+NOT = {"megalite.checkpoint": {"megalite.training", "megalite.tasks", "megalite.planning"},
+       "megalite.planning": {"megalite.training", "megalite.tasks"},
+       "megalite.training": {"megalite.tasks"}}
 
 
 def _module(path: Path) -> str:
@@ -79,9 +89,14 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def unit_files(name: str) -> list[Path]:
+    """The files of megalite unit `name` ("config", "mpu"): a module or a package."""
+    module = ROOT / f"{name}.py"
+    return [module] if module.exists() else sorted((ROOT / name).rglob("*.py"))
+
+
 def test_config_and_mpu_import_no_schedules_models_or_training():
-    files = [f for low in LOW for f in ([ROOT / low] if low.endswith(".py")
-                                        else sorted((ROOT / low).rglob("*.py")))]
+    files = [f for low in LOW for f in unit_files(low)]
     assert len(files) > 5
     bad = {f"{path.relative_to(ROOT.parent)} imports {name}"
            for path in files for name in imports(path)
@@ -98,3 +113,30 @@ def test_megalite_units_import_one_another_without_a_cycle():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_low_units_import_only_what_lies_below_them():
+    graph = unit_graph()
+    assert ONLY.keys() <= graph.keys()
+    bad = {f"{unit} imports {target}" for unit, allowed in ONLY.items()
+           for target in graph[unit] - allowed}
+    assert not bad, sorted(bad)
+
+
+def test_checkpoint_planning_and_training_import_nothing_above_them():
+    graph = unit_graph()
+    assert NOT.keys() <= graph.keys()
+    bad = {f"{unit} imports {target}" for unit, banned in NOT.items()
+           for target in graph[unit] & banned}
+    assert not bad, sorted(bad)
+
+
+def test_only_the_tasks_import_the_tasks():
+    bad = {f"{unit} imports megalite.tasks" for unit, targets in unit_graph().items()
+           if "megalite.tasks" in targets and unit != "megalite.tasks"}
+    assert not bad, sorted(bad)
+
+
+def test_the_top_of_megalite_holds_only_the_modules_everything_reads():
+    modules = {path.stem for path in ROOT.glob("*.py")} - {"__init__"}
+    assert modules <= TOP, sorted(modules - TOP)

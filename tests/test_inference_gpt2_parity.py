@@ -16,8 +16,8 @@ from megalite.inference import SamplingParams, generate
 from megalite.models import GPTModel
 from megalite.mpu import initialize_model_parallel
 from megalite.mpu import parallel_state as ps
-from tests.multirank import run_on_ranks
-from tests.reference import tiny_gpt2
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import tiny_gpt2
 
 VOCAB, NEW, LENGTHS = 211, 20, (3, 11, 6, 8)
 

@@ -15,8 +15,8 @@ from megalite.inference.generation import BatchDecoder, pipeline_forward
 from megalite.models import GPTModel
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 
 VOCAB, STEPS, LENGTHS = 101, 6, (5, 2, 7)
 SPECS = {

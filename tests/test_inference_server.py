@@ -23,7 +23,7 @@ from megalite.data.tokenizer_training import train_sentencepiece
 from megalite.data.tokenizers import SentencePieceTokenizer
 from megalite.device import free_port
 from megalite.hf.gpt2 import gpt2_config, gpt2_to_megalite
-from tests.reference import tiny_gpt2
+from tests.helpers.reference import tiny_gpt2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["The module", "import os", "Return the value", "A list of", "def f(x):",

@@ -3,8 +3,9 @@ converted by megalite.hf) against transformers' `generate(do_sample=False)` on i
 load, three prompts x 16 new tokens, token for token (up to and including an EOS). megalite
 runs the three prompts as one left-padded batch, at TP 1 and TP 3 (one KV group per rank).
 
-transformers' continuations are cached beside the lead's logits reference (tests/smollm2.py),
-keyed by the file and the transformers version, since loading takes about a minute.
+transformers' continuations are cached beside the lead's logits reference
+(tests/helpers/smollm2.py), keyed by the file and the transformers version, since loading takes
+about a minute.
 """
 
 import torch
@@ -13,8 +14,8 @@ from megalite.hf import smollm2_gguf_path
 from megalite.inference import SamplingParams, generate
 from megalite.inference.loading import build_inference_model
 from megalite.mpu import initialize_model_parallel
-from tests.multirank import run_on_ranks
-from tests.smollm2 import PROMPTS, cached_reference, read_megalite_state
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.smollm2 import PROMPTS, cached_reference, read_megalite_state
 
 NEW = 16
 

@@ -5,9 +5,9 @@ checkpoint resumed under other layouts."""
 import pytest
 import torch
 
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 from tests.test_training_resume import _straight_and_resumed
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]

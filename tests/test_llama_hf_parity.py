@@ -16,8 +16,8 @@ from megalite.hf import llama_config, load_llama, megalite_to_llama
 from megalite.models import GPTModel
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
-from tests.multirank import run_on_ranks
-from tests.reference import hf_parity_errors, random_hf_model
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import hf_parity_errors, random_hf_model
 
 VOCAB, SEQ = 203, 13
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,

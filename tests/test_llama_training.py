@@ -6,9 +6,9 @@ embeddings take this CP rank's positions from the data provider."""
 import pytest
 import torch
 
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 
 LLAMA_FLAGS = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
                "--ffn-hidden-size", "48", "--group-query-attention", "--num-query-groups", "2",

@@ -22,8 +22,8 @@ from megalite.models.sharding import full_names, full_state_dict, load_full_stat
 from megalite.moe import MoELayer, update_expert_bias
 from megalite.mpu import comm
 from megalite.mpu.layers import gather_tensor_parallel
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 
 H, E, K, FFN = 32, 8, 2, 16
 DEEPSEEK = dict(score_function="sigmoid", renormalize=True, num_groups=4, group_topk=2,

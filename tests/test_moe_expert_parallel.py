@@ -1,5 +1,5 @@
 """The MoE layer on 8 ranks (gloo) at EP 1, 2, 4, 8 (TP 1) and EP 2 x TP 2 vs the explicit
-per-token reference over the full weights (tests/moe_reference.py), fp32: every rank's
+per-token reference over the full weights (tests/helpers/moe_reference.py), fp32: every rank's
 outputs and input grads, the router grad (summed over DP) and every expert's weight grads
 (summed over its expert-data-parallel group, gathered over TP) within 1e-5; with a capacity
 factor the same number of choices is dropped. Also the dispatch/combine bytes of a uniform
@@ -17,9 +17,9 @@ from megalite.mpu import comm, initialize_model_parallel
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel
 from megalite.mpu.parallel_state import GridLayout
-from tests import moe_reference as ref
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers import moe_reference as ref
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 
 H, E, K, FFN, S, B = 16, 8, 2, 24, 3, 4
 COEFFS = dict(aux_loss_coeff=0.1, z_loss_coeff=0.01)

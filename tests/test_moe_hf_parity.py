@@ -18,8 +18,8 @@ from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel
 from megalite.training.loop import run_schedule, train_step
 from megalite.training.setup import build_model, setup_parallel
-from tests.multirank import run_on_ranks
-from tests.reference import hf_token_loss, random_hf_model, rel_err
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import hf_token_loss, random_hf_model, rel_err
 
 VOCAB, SEQ, BATCH = 203, 10, 8
 LAYOUTS = {4: [(2, 1, 2), (1, 2, 2)], 8: [(1, 1, 4)]}  # world size -> [(tp, pp, ep)]

@@ -1,4 +1,4 @@
-"""Router and auxiliary losses vs the explicit reference (tests/moe_reference.py): top-k
+"""Router and auxiliary losses vs the explicit reference (tests/helpers/moe_reference.py): top-k
 choice and weights (softmax / sigmoid, with and without renormalisation, ties to the lower
 index), load-balancing loss with an expert that gets no token, z-loss; the single-process
 MoE layer vs a per-token loop; the aux-loss gradient inside an executor step (loss_scale /
@@ -14,9 +14,9 @@ from megalite.config import ModelConfig, ParallelConfig
 from megalite.device import current_device
 from megalite.moe import MoELayer, MoEState, load_balancing_loss, topk_routing, z_loss
 from megalite.moe.router import tokens_per_expert
-from tests import moe_reference as ref
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers import moe_reference as ref
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 
 
 @pytest.mark.parametrize("score,renorm", [("softmax", False), ("softmax", True),

@@ -13,9 +13,9 @@ import torch
 from megalite import device
 from megalite.moe.stats import MoEState, reduce_step_stats
 from megalite.mpu import parallel_state as ps
-from tests.gpt_run import make_dataset, tiny_args, train, train_with_grad_norms
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers.gpt_run import make_dataset, tiny_args, train, train_with_grad_norms
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 
 MOE_FLAGS = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
              "--ffn-hidden-size", "48", "--disable-bias-linear", "--num-experts", "8",

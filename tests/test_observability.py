@@ -12,8 +12,8 @@ import torch
 
 from megalite.device import reduced_precision_warning
 from megalite.training.log_writers import check_available
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
 
 FIELDS = {"lm loss", "learning rate", "grad norm", "loss scale", "skipped steps",
           "ms per iteration", "data ms per iteration", "tokens per second",

@@ -20,8 +20,9 @@ from megalite.models.stage import build_model_chunks
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import get_optimizer
 from megalite.schedules import get_forward_backward_func
-from tests.dp_reference import CONFIG, SEQ, Reference, batches, init_grid, local_slice, opt_config
-from tests.multirank import run_on_ranks
+from tests.helpers.dp_reference import (CONFIG, SEQ, Reference, batches, init_grid, local_slice,
+                                        opt_config)
+from tests.helpers.multirank import run_on_ranks
 
 GLOBAL_BATCH, MICROBATCHES = 8, 2
 

@@ -22,8 +22,8 @@ import torch
 
 from megalite.config import PrecisionConfig
 from megalite.mpu import parallel_state as ps
-from tests.multirank import run_on_ranks
-from tests.dp_reference import (batches, build, full_params, init_grid, local_slice,
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.dp_reference import (batches, build, full_params, init_grid, local_slice,
                                   max_rel_err, opt_config, rank_group, train_step)
 
 STEPS, RESUME_AT, GLOBAL_BATCH = 5, 3, 8

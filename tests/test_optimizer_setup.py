@@ -8,7 +8,7 @@ from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.distributed import DistributedDataParallel
 from megalite.models import GPTModel
 from megalite.optimizer import OptimizerParamScheduler, check_decay_iters, get_optimizer
-from tests.dp_reference import CONFIG
+from tests.helpers.dp_reference import CONFIG
 
 
 def _model(dtype: torch.dtype = torch.float32) -> DistributedDataParallel:

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from megalite.data.packed import document_layout, with_document_layout
 from megalite.hf import gpt2_config, gpt2_to_megalite, llama_config, llama_to_megalite
 from megalite.hf import load_gpt2, load_llama
-from tests.multirank import run_on_ranks
-from tests.parallel_step import MICRO, MICROBATCHES, SEQ, VOCAB, parallel_step
-from tests.reference import assert_step_errors, step_errors, tiny_gpt2
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.parallel_step import MICRO, MICROBATCHES, SEQ, VOCAB, parallel_step
+from tests.helpers.reference import assert_step_errors, step_errors, tiny_gpt2
 from tests.test_llama_hf_parity import tiny_llama
 
 EOD = 3

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from megalite.device import current_device
 from megalite.distributed import DistributedDataParallel
 from megalite.mpu import parallel_state as ps
-from tests.multirank import run_on_ranks, thread_count
+from tests.helpers.multirank import run_on_ranks, thread_count
 
 LAYOUTS = [(2, 2, 2), (2, 4, 1), (4, 1, 2), (8, 1, 1), (1, 8, 1)]
 

@@ -7,7 +7,7 @@ from megalite.schedules import SCHEDULE_KINDS, get_forward_backward_func
 from megalite.schedules.accounting import simulate
 from megalite.schedules.executor import free_output, observe_computes, rank_table
 from megalite.schedules.instructions import Kind
-from tests.reference import rel_err
+from tests.helpers.reference import rel_err
 from tests.test_pipeline_parity import CONFIG, MICRO, SEQ, batch, forward_step, provider
 
 CASES = [(name, p, v, m) for p in (2, 3, 4, 8) for m in (p, 2 * p, 3 * p)

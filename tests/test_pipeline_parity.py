@@ -23,8 +23,8 @@ from megalite.models.stage import build_model_chunks, shared_embedding_params
 from megalite.mpu import comm, destroy_model_parallel, initialize_model_parallel
 from megalite.mpu.layers import gather_tensor_parallel
 from megalite.schedules import get_forward_backward_func
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 
 CONFIG = ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, vocab_size=97,
                      max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)

@@ -21,7 +21,7 @@ from megalite.schedules import SCHEDULE_KINDS
 from megalite.schedules.accounting import (bubble_fraction, peak_inflight_microbatches,
                                            schedule_bubble)
 from megalite.schedules.tables import build_schedule
-from tests.multirank import run_on_ranks
+from tests.helpers.multirank import run_on_ranks
 
 GIB = 2 ** 30
 

@@ -16,8 +16,9 @@ import torch
 from megalite.config import PrecisionConfig
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import DynamicGradScaler
-from tests.multirank import run_on_ranks
-from tests.dp_reference import batches, build, init_grid, local_slice, opt_config, train_step
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.dp_reference import (batches, build, init_grid, local_slice, opt_config,
+                                        train_step)
 
 INITIAL = 2.0 ** 10
 PRECISION = PrecisionConfig(fp16=True, initial_loss_scale=INITIAL, hysteresis=2,

@@ -15,8 +15,8 @@ from megalite.config import PrecisionConfig
 from megalite.device import current_device
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import OptimizerParamScheduler
-from tests.multirank import run_on_ranks
-from tests.dp_reference import (SEQ, VOCAB, build, compute_grads, init_grid, local_slice,
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.dp_reference import (SEQ, VOCAB, build, compute_grads, init_grid, local_slice,
                                   opt_config)
 
 STEPS, GLOBAL_BATCH = 20, 16

@@ -16,8 +16,8 @@ from megalite.mpu import comm, initialize_model_parallel
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.context_parallel import chunk_positions
 from megalite.mpu.ring_attention import attention_work, ring_attention
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
 
 B, HEADS, GROUPS, SEQ, D = 2, 4, 2, 32, 8
 

@@ -9,7 +9,7 @@ from megalite.models import GPTModel
 from megalite.mpu import get_rng_tracker, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.comm import all_gather_stacked
-from tests.multirank import run_on_ranks
+from tests.helpers.multirank import run_on_ranks
 
 
 def _masks_across_tp() -> tuple[bool, bool]:

@@ -24,8 +24,8 @@ from megalite.models.sharding import full_state_dict
 from megalite.mpu import initialize_model_parallel, layers
 from megalite.mpu.layers import init_method_normal
 from megalite.mpu.random import MODEL_PARALLEL_RNG, seeded
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
 
 SEED, STD = 1234, 0.02
 CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97,

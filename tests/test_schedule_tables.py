@@ -24,7 +24,7 @@ from megalite.schedules.accounting import (
 )
 from megalite.schedules.instructions import Instruction, Kind
 from megalite.schedules.tables import build_schedule, gpipe, interleaved_one_f_one_b, one_f_one_b
-from tests.schedule_checks import assert_dependencies_hold
+from tests.helpers.schedule_checks import assert_dependencies_hold
 
 F, B = Kind.FORWARD, Kind.BACKWARD
 SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_FORWARD, Kind.RECV_FORWARD, Kind.SEND_BACKWARD, Kind.RECV_BACKWARD

@@ -19,9 +19,9 @@ from megalite.models import BertModel
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel
-from tests.multirank import run_on_ranks
-from tests.parallel_step import GPT2, LLAMA, SEED, SEQ, VOCAB, parallel_step, with_
-from tests.reference import rel_err
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.parallel_step import GPT2, LLAMA, SEED, SEQ, VOCAB, parallel_step, with_
+from tests.helpers.reference import rel_err
 
 TOL = 1e-5
 DROPOUT = dict(attention_dropout=0.1)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.multirank import run_on_ranks
+from tests.helpers.multirank import run_on_ranks
 from tests.test_inference_server import PROMPTS, _post, _stream_events, start_server, tiny_model
 from tools import serve
 

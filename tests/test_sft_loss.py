@@ -14,9 +14,9 @@ import torch
 
 from megalite.data.packed import pack_examples, pad_examples, pad_rows, token_weighted_batches
 from megalite.hf import llama_config, llama_to_megalite, load_llama
-from tests.multirank import run_on_ranks
-from tests.parallel_step import MICRO, SEQ, VOCAB, parallel_step
-from tests.reference import assert_step_errors, step_errors
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.parallel_step import MICRO, SEQ, VOCAB, parallel_step
+from tests.helpers.reference import assert_step_errors, step_errors
 from tests.test_llama_hf_parity import tiny_llama
 
 ROWS = 8  # one global batch: 1 microbatch x 2 rows x DP4, or 2 x 2 x DP2

@@ -16,8 +16,8 @@ from megalite.mpu import destroy_model_parallel, initialize_model_parallel
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.mappings import gather_from_tensor_model_parallel_region
 from megalite.schedules import get_forward_backward_func
-from tests.multirank import run_on_ranks
-from tests.smollm2 import hf_reference, read_megalite_state
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.smollm2 import hf_reference, read_megalite_state
 
 TOL = 1e-4
 

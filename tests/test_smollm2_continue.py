@@ -2,8 +2,8 @@
 tools/convert_checkpoint.py, then `pretrain_gpt.py --load CK` with run-size flags only. The
 model, its tokenizer, and the built-in corpus tokenised with that tokenizer all follow from the
 checkpoint; the first loss equals transformers' loss on the same batch (transformers' own GGUF
-load, cached as in tests/smollm2.py). The checkpoint exports to a transformers directory that
-AutoTokenizer (chat template included) and AutoModelForCausalLM load, with transformers'
+load, cached as in tests/helpers/smollm2.py). The checkpoint exports to a transformers directory
+that AutoTokenizer (chat template included) and AutoModelForCausalLM load, with transformers'
 logits, and tools/generate.py --load finds the tokenizer in the checkpoint.
 """
 import hashlib
@@ -21,9 +21,9 @@ from megalite import checkpoint
 from megalite.data import builtin_corpus as bc
 from megalite.data.tokenizers import build_tokenizer
 from megalite.hf import smollm2_gguf_path
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
-from tests.smollm2 import PROMPTS, cached_reference, hf_reference
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
+from tests.helpers.smollm2 import PROMPTS, cached_reference, hf_reference
 from tests.test_data_builtin import small_documents
 from tools import convert_checkpoint
 

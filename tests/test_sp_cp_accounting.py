@@ -26,8 +26,8 @@ from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.context_parallel import get_batch_on_this_cp_rank
 from megalite.planning import activations, planner
-from tests.multirank import run_on_ranks
-from tests.parallel_step import GPT2, LLAMA, SEQ, with_
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.parallel_step import GPT2, LLAMA, SEQ, with_
 from tests.test_plan import configs
 
 MICRO, FP32 = 2, 4

@@ -9,7 +9,7 @@ import pytest
 import finetune_bert
 import pretrain_gpt
 from megalite.training.checks import check_writable_dir
-from tests.gpt_run import make_dataset, tiny_args
+from tests.helpers.gpt_run import make_dataset, tiny_args
 from tools import preprocess_data
 
 

@@ -14,7 +14,7 @@ from megalite.device import current_device
 from megalite.mpu import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                           initialize_model_parallel, parallel_state as ps,
                           vocab_parallel_cross_entropy)
-from tests.multirank import run_on_ranks
+from tests.helpers.multirank import run_on_ranks
 
 TP_SIZES = (1, 2, 4, 8)
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -9,8 +9,8 @@ import pytest
 from megalite import checkpoint
 from megalite.config import Configs, parse_configs
 from megalite.layout import RunLayout
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -2,8 +2,8 @@
 worker processes build them (resharding: tests/test_checkpoint_reshard.py)."""
 import pytest
 
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
 
 
 def _straight_and_resumed(prefix: str, root: str, layout: list[str]) -> tuple[dict, dict, dict]:

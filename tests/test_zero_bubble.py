@@ -20,10 +20,10 @@ from megalite.mpu.weight_grad import apply_weight_grads, defer_weight_grads
 from megalite.schedules.accounting import bubble_fraction, peak_inflight_activations, simulate
 from megalite.schedules.instructions import Kind
 from megalite.schedules.tables import build_schedule
-from tests.gpt_run import make_dataset, tiny_args, train
-from tests.multirank import run_on_ranks
-from tests.reference import rel_err
-from tests.schedule_checks import assert_dependencies_hold
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
+from tests.helpers.reference import rel_err
+from tests.helpers.schedule_checks import assert_dependencies_hold
 
 F, B, W = Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 CASES = [(name, p, m) for p in (2, 3, 4, 8) for m in (p, 2 * p, 3 * p)

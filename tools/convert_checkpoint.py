@@ -23,19 +23,16 @@ included), so `pretrain_gpt.py --load`, tools/generate.py and AutoTokenizer find
 """
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megalite import checkpoint  # noqa: E402
-from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
+from megalite import checkpoint
+from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
-from megalite.data.tokenizers import Tokenizer, build_tokenizer  # noqa: E402
-from megalite.hf import bert, deepseek_v3, gpt2, llama, moe  # noqa: E402
-from megalite.hf.families import check_weights, family_of_config, family_of_source  # noqa: E402
-from megalite.hf.readers import READERS, State  # noqa: E402
-from megalite.hf.tokenizer_io import export_tokenizer, source_tokenizer  # noqa: E402
-from megalite.layout import RunLayout  # noqa: E402
+from megalite.data.tokenizers import Tokenizer, build_tokenizer
+from megalite.hf import bert, deepseek_v3, gpt2, llama, moe
+from megalite.hf.families import check_weights, family_of_config, family_of_source
+from megalite.hf.readers import READERS, State
+from megalite.hf.tokenizer_io import export_tokenizer, source_tokenizer
+from megalite.layout import RunLayout
 
 
 def write_gpt(dst: str, full: State, config: ModelConfig, src: str) -> None:

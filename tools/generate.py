@@ -12,19 +12,14 @@ the answer ends at the template's end-of-turn token; lines from stdin are one co
 Rank 0 prints; the prompt and generation speed (tokens/s) follow each batch.
 """
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch.distributed as dist
 
-import torch.distributed as dist  # noqa: E402
-
-from megalite.data.chat_template import chat_template, end_of_turn_ids, \
-    render_chat  # noqa: E402
-from megalite.inference import GenerationStats, SamplingParams  # noqa: E402
-from megalite.inference.loading import add_model_arguments, load_from_args, \
-    run_tool  # noqa: E402
-from megalite.inference.text import Completion, complete  # noqa: E402
+from megalite.data.chat_template import chat_template, end_of_turn_ids, render_chat
+from megalite.inference import GenerationStats, SamplingParams
+from megalite.inference.loading import add_model_arguments, load_from_args, run_tool
+from megalite.inference.text import Completion, complete
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -11,7 +11,7 @@ formulas are in megalite/planning/. `--validate` prints (a) the estimate against
 peak measured in real megalite training steps on CPU ranks and (b) published Megatron-LM
 configurations. What (a) measures, per rank, in fresh gloo processes: the bytes of the
 model state after the second step (parameters or their DP shards, grad buffers or shards,
-fp32 main params, optimizer state: tools/bench_fsdp.py's counting, each storage once) plus
+fp32 main params, optimizer state: megalite.planning.measured, each storage once) plus
 the high-water mark, during that step, of the bytes autograd holds for backward (unique
 storages, parameters excluded, counted from the moment a tensor is saved until autograd
 releases it) together with FSDP's gathered parameters and unsharded grads (sampled at
@@ -27,19 +27,18 @@ import functools
 import sys
 import weakref
 from collections import Counter
-from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
+from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig,
                              build_parser, config_from_args)
-from megalite.distributed.rank_pool import run_once  # noqa: E402
-from megalite.planning.activations import ACTIVATION_BYTES, ring_wire  # noqa: E402
-from megalite.planning.planner import Plan, plan  # noqa: E402
-from megalite.sharding import STRATEGY_NAMES  # noqa: E402
+from megalite.distributed.rank_pool import run_once
+from megalite.planning.activations import ACTIVATION_BYTES, ring_wire
+from megalite.planning.measured import fsdp_buffers, model_state_bytes
+from megalite.planning.planner import Plan, plan
+from megalite.sharding import STRATEGY_NAMES
 
 GIB = 2 ** 30
 SECTIONS = (ModelConfig, ParallelConfig, PrecisionConfig, OptimizerConfig, TrainConfig)
@@ -227,25 +226,24 @@ class LiveSavedBytes:
 def measure_rank(argv: list[str]) -> dict:
     """On every rank of a fresh process group: two real training steps of the configs in
     `argv`; the model state and the peak of saved-for-backward bytes in the second."""
-    from bench_fsdp import fsdp_buffers, model_state_bytes
-
     import pretrain_gpt
-    from megalite import training
+    from megalite.training.loop import train_step
+    from megalite.training.setup import build_model, setup_parallel
     from megalite.layout import RunLayout
     from megalite.mpu import parallel_state as ps
     from megalite.optimizer import get_optimizer
     configs, _ = parse(argv)
     layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
-    training.setup_parallel(configs, layout)
-    model = training.build_model(configs, functools.partial(pretrain_gpt.model_provider, configs))
+    setup_parallel(configs, layout)
+    model = build_model(configs, functools.partial(pretrain_gpt.model_provider, configs))
     optimizer, _ = get_optimizer(configs.optimizer, configs.precision, model, 10)
     t = configs.train
     generator = torch.Generator().manual_seed(ps.get_data_parallel_rank())
     data = iter(lambda: {"tokens": torch.randint(0, configs.model.vocab_size,
                                                  (t.micro_batch_size, t.seq_length + 1),
                                                  generator=generator)}, None)
-    step = functools.partial(training.train_step, pretrain_gpt.forward_step, data, model,
-                             optimizer, layout)
+    step = functools.partial(train_step, pretrain_gpt.forward_step, data, model, optimizer,
+                             layout)
     step()  # allocates the optimizer state
     saved = LiveSavedBytes([q for chunk in model for q in chunk.parameters()],
                            functools.partial(fsdp_buffers, model))
@@ -258,7 +256,6 @@ def measure_rank(argv: list[str]) -> dict:
 
 
 def validate_memory() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_fsdp for the workers
     mib = 2 ** 20
     print("(a) Peak memory per rank (MiB): model state + saved activations + FSDP's gathered "
           "params, estimate | measured")

@@ -10,22 +10,19 @@ activations (microbatches between F and B) and pending weight grads (between B a
 """
 
 import argparse
-import sys
-from pathlib import Path
 
 import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.placement import ONE_F_ONE_B, PIPELINE_SCHEDULES  # noqa: E402
-from megalite.schedules import SCHEDULE_KINDS  # noqa: E402
-from megalite.schedules.accounting import (bubble_fraction, num_chunks,  # noqa: E402
+from megalite.placement import ONE_F_ONE_B, PIPELINE_SCHEDULES
+from megalite.schedules import SCHEDULE_KINDS
+from megalite.schedules.accounting import (bubble_fraction, num_chunks,
                                            peak_inflight_activations, peak_pending_weight_grads,
                                            schedule_bubble, simulate)
-from megalite.schedules.instructions import Kind  # noqa: E402
+from megalite.schedules.instructions import Kind
+
+matplotlib.use("Agg")  # files, no display
 
 COLORS = {Kind.FORWARD: plt.cm.Blues, Kind.BACKWARD: plt.cm.Greens,
           Kind.BACKWARD_INPUT: plt.cm.Oranges, Kind.BACKWARD_WEIGHT: plt.cm.Purples}

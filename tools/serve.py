@@ -19,16 +19,11 @@ queued requests.
 """
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch.distributed as dist
 
-import torch.distributed as dist  # noqa: E402
-
-from megalite.inference.loading import add_model_arguments, load_from_args, \
-    run_tool  # noqa: E402
-from megalite.inference.serving import CompletionServer, Limits, listen, \
-    serve_http  # noqa: E402
+from megalite.inference.loading import add_model_arguments, load_from_args, run_tool
+from megalite.inference.serving import CompletionServer, Limits, listen, serve_http
 
 
 def main(argv=None) -> None:

@@ -7,6 +7,9 @@ of per-rank results, their tensors moved to the CPU. Each task ends with
 `destroy_model_parallel()`, so the next may initialise any layout. Used by the tests' rank
 pools and by the multi-rank tools.
 
+Spawned workers start with this process's sys.path (multiprocessing's spawn carries it), so
+they import what it imports: the checkout under test, a script's own directory.
+
 Devices: rank r uses GPU r with NCCL when the machine has a GPU for every rank (NCCL cannot
 share one GPU between ranks); otherwise the workers see no GPU and run on the CPU with gloo.
 
@@ -19,7 +22,6 @@ of file on their pipe).
 import atexit
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -46,10 +48,9 @@ def _tasks(conn) -> Iterator[tuple]:
         yield task
 
 
-def _worker(rank: int, world_size: int, store_file: str, conn, sys_path: list[str],
-            timeout_s: float, env: dict[str, str]) -> None:
+def _worker(rank: int, world_size: int, store_file: str, conn, timeout_s: float,
+            env: dict[str, str]) -> None:
     os.environ.update({"OMP_NUM_THREADS": "1", **env})  # before torch starts
-    sys.path[:0] = [p for p in sys_path if p not in sys.path]
     import torch
     from torch.utils._pytree import tree_map_only
     torch.set_num_threads(1)
@@ -82,7 +83,7 @@ class RankPool:
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker, args=(
-                rank, world_size, store_file, child, sys.path, timeout_s, env))
+                rank, world_size, store_file, child, timeout_s, env))
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)

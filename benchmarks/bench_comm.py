@@ -1,6 +1,7 @@
 """Bytes moved by megalite's TP and PP collectives, and the measured pipeline bubble.
 
-    python tools/bench_comm.py [--ranks 4 --hidden-size 256 --seq-length 128 --micro-batch-size 2]
+    python benchmarks/bench_comm.py [--ranks 4 --hidden-size 256 --seq-length 128 \\
+        --micro-batch-size 2]
 
 On `--ranks` gloo CPU ranks (OMP_NUM_THREADS=1 each). Prints figures; asserts nothing.
 
@@ -19,32 +20,30 @@ On `--ranks` gloo CPU ranks (OMP_NUM_THREADS=1 each). Prints figures; asserts no
   (p-1)/(v m). Ranks share the machine's cores: with more ranks than cores, computes slow
   down when more ranks are busy, which shrinks the measured bubble.
 """
-import argparse
+import functools
 import itertools
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pretrain_gpt  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.distributed.finalize import sync_shared_embedding  # noqa: E402
-from megalite.distributed.rank_pool import run_once  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.stage import build_model_chunks  # noqa: E402
+import pretrain_gpt
+from megalite.config import ModelConfig
+from megalite.distributed.finalize import sync_shared_embedding
+from megalite.distributed.rank_pool import run_once
+from megalite.models import GPTModel
+from megalite.models.stage import build_model_chunks
 from megalite.mpu import (comm, destroy_model_parallel, initialize_model_parallel,
                           model_parallel_seed)
-from megalite.mpu import parallel_state as ps  # noqa: E402
-from megalite.placement import ONE_F_ONE_B  # noqa: E402
-from megalite.schedules import get_forward_backward_func, resolve_schedule  # noqa: E402
-from megalite.schedules.accounting import schedule_bubble  # noqa: E402
-from megalite.schedules.executor import observe_computes  # noqa: E402
-from megalite.schedules.instructions import COMPUTE  # noqa: E402
+from megalite.mpu import parallel_state as ps
+from megalite.placement import ONE_F_ONE_B
+from megalite.schedules import get_forward_backward_func, resolve_schedule
+from megalite.schedules.accounting import schedule_bubble
+from megalite.schedules.executor import observe_computes
+from megalite.schedules.instructions import COMPUTE
+
+from common import benchmark_parser, machine_line
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VOCAB = 256  # small, so that the first and last stage cost about what the others do
@@ -91,7 +90,8 @@ def pipeline(args: dict, cases: list[tuple[int, int]], steps: int) -> dict:
 
         def forward_step(data_iterator, chunk):
             batch = next(data_iterator)
-            return chunk(batch[:, :-1], batch[:, 1:]), pretrain_gpt.loss_func
+            return chunk(batch[:, :-1], batch[:, 1:]), functools.partial(pretrain_gpt.loss_func,
+                                                                         None, None)
 
         def step():
             get_forward_backward_func()(
@@ -175,20 +175,16 @@ def report_pipeline(args: dict, world: int, steps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser = benchmark_parser(__doc__, ranks=4, steps=9, hidden_size=256, seq_length=128,
+                              micro_batch_size=2)
     parser.add_argument("--num-layers", type=int, default=2, help="L for the TP count")
     parser.add_argument("--microbatches", type=int, default=8, help="m, a multiple of --ranks")
     parser.add_argument("--vpp", type=int, default=2, help="chunks per rank, interleaved")
-    parser.add_argument("--steps", type=int, default=9, help="timed steps after one warm-up")
     a = parser.parse_args()
     args = {"hidden": a.hidden_size, "seq": a.seq_length, "micro": a.micro_batch_size,
             "layers": a.num_layers, "microbatches": a.microbatches, "vpp": a.vpp,
             "pipeline_layers": 2 * a.ranks * a.vpp}
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
+    print(machine_line() + "\n")
     report_tp(args, a.ranks)
     report_pipeline(args, a.ranks, a.steps)
 

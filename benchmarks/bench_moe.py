@@ -3,9 +3,10 @@ active parameters (fp32, one process, CPU or one GPU); with --deepseek-block, th
 DeepSeek-V3 MoE block alone: megalite's grouped experts vs its per-expert loop vs
 transformers' DeepseekV3MoE (each of its expert implementations that runs), same weights.
 
-    python tools/bench_moe.py                      # 2 layers, h 256, 8 experts, top-2
-    python tools/bench_moe.py --device cuda --hidden-size 1024 --seq-length 1024
-    python tools/bench_moe.py --deepseek-block --num-experts 64 --topk 6 --moe-ffn-hidden-size 128
+    python benchmarks/bench_moe.py                 # 2 layers, h 256, 8 experts, top-2
+    python benchmarks/bench_moe.py --device cuda --hidden-size 1024 --seq-length 1024
+    python benchmarks/bench_moe.py --deepseek-block --num-experts 64 --topk 6 \\
+        --moe-ffn-hidden-size 128
 
 Same random weights in all MoE models (a transformers MixtralForCausalLM built from a config,
 copied into megalite with megalite.hf.moe; nothing is downloaded); transformers runs twice:
@@ -20,36 +21,26 @@ megalite's step time. Prints figures; asserts only that the models agree at the 
 """
 import argparse
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.hf.moe import deepseek_moe_block_state, moe_config, moe_to_megalite  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.sharding import full_state_dict, load_full_state_dict  # noqa: E402
-from megalite.moe import MoELayer  # noqa: E402
-from megalite.moe.dispatcher import combine, dispatch, plan_dispatch  # noqa: E402
-from megalite.moe.router import load_balancing_loss, z_loss  # noqa: E402
+from megalite.hf.moe import deepseek_moe_block_state, moe_config, moe_to_megalite
+from megalite.models import GPTModel
+from megalite.models.sharding import full_state_dict, load_full_state_dict
+from megalite.moe import MoELayer
+from megalite.moe.dispatcher import combine, dispatch, plan_dispatch
+from megalite.moe.router import load_balancing_loss, z_loss
+
+from common import benchmark_parser, machine_line, median_seconds, timed, turn_order
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-attention-heads", type=int, default=4)
+    p = benchmark_parser(__doc__, device="cuda" if torch.cuda.is_available() else "cpu", steps=6,
+                         warmup=2, num_layers=2, hidden_size=256, num_attention_heads=4,
+                         vocab_size=4096, seq_length=256, micro_batch_size=4)
     p.add_argument("--moe-ffn-hidden-size", type=int, default=512)
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--deepseek-block", action="store_true",
                    help="time the DeepSeek-V3 MoE block alone (sigmoid, groups, shared expert)")
     p.add_argument("--num-groups", type=int, default=8, help="--deepseek-block: n_group")
@@ -92,16 +83,6 @@ def step_fn(model, tokens, hf: bool):
     return step
 
 
-def timed(step, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def routing_time(layer, x, device, repeats: int = 5) -> float:
     """Median seconds of router + plan + dispatch + combine (identity experts), fwd + bwd."""
     router = layer.router
@@ -113,8 +94,7 @@ def routing_time(layer, x, device, repeats: int = 5) -> float:
         out = combine(dispatch(tokens, plan), plan, tokens.shape[0])
         (out.sum() + load_balancing_loss(scores, indices, layer.topk) + z_loss(logits)
          ).backward()
-    once()
-    return statistics.median(timed(once, device) for _ in range(repeats))
+    return median_seconds(lambda _: once(), repeats, device=device)  # after one warm-up
 
 
 def deepseek_block(args, device) -> None:
@@ -173,8 +153,8 @@ def deepseek_block(args, device) -> None:
         for step in steps.values():
             step()
     for i in range(args.steps):
-        for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
-            times[name].append(timed(steps[name], device))
+        for name in turn_order(steps, i):
+            times[name].append(timed(steps[name], device)[0])
     tokens = args.seq_length * args.micro_batch_size
     print(f"device {device}, threads {torch.get_num_threads()}, fp32 | DeepSeek-V3 MoE block: "
           f"h {h}, {experts} experts top-{args.topk} of {args.group_topk}/{args.num_groups} "
@@ -195,6 +175,7 @@ def deepseek_block(args, device) -> None:
 
 def main() -> None:
     args = parse_args()
+    print(machine_line())
     device = torch.device(args.device)
     if args.deepseek_block:
         deepseek_block(args, device)
@@ -228,8 +209,8 @@ def main() -> None:
             step()
     times = {name: [] for name in steps}
     for i in range(args.steps):
-        for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
-            times[name].append(timed(steps[name], device))
+        for name in turn_order(steps, i):
+            times[name].append(timed(steps[name], device)[0])
     tokens_per_step = args.micro_batch_size * args.seq_length
     median = {name: statistics.median(t) for name, t in times.items()}
     print(f"device {device}, threads {torch.get_num_threads()}, fp32 | {args.num_layers} layers,"

@@ -1,12 +1,12 @@
 """Data-parallel sharding strategies on CPU ranks: model-state memory, step time, and ZeRO-3
 against transformers' Llama on torch FSDP2.
 
-    python tools/bench_fsdp.py [--hidden-size 256 --num-layers 4 --seq-length 128 --steps 8]
+    python benchmarks/bench_fsdp.py [--hidden-size 256 --num-layers 4 --seq-length 128 --steps 8]
 
 One pool of gloo ranks per DP size (OMP_NUM_THREADS=1 per rank) runs every configuration
 in turn through megalite's own set-up (`megalite.training.setup.build_model`,
-`get_optimizer`, `megalite.training.loop.train_step`) on a Llama-shaped model (RMSNorm, rope, SwiGLU, 2 KV groups, head
-tied to the embedding, no dropout). Prints three tables; asserts nothing.
+`get_optimizer`, `megalite.training.loop.train_step`) on a Llama-shaped model (RMSNorm,
+rope, SwiGLU, 2 KV groups, head tied to the embedding, no dropout). Prints three tables; asserts nothing.
 
 1. Model state per rank at DP 2 and 4, fp32 and bf16, each strategy (and optim /
    optim_grads_params with --optimizer-cpu-offload at DP 2): the bytes of the distinct
@@ -24,69 +24,24 @@ tied to the embedding, no dropout). Prints three tables; asserts nothing.
    first every other step); the loss of each step (mean over DP) and the median step time
    of each, their ratio.
 """
-import argparse
 import functools
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.distributed.rank_pool import RankPool  # noqa: E402
-from megalite.sharding import STRATEGY_NAMES as STRATEGIES  # noqa: E402
+from megalite.distributed.rank_pool import RankPool
+from megalite.planning.measured import model_state_bytes
+from megalite.sharding import STRATEGY_NAMES as STRATEGIES
+from megalite.training.loop import train_step
+from megalite.training.setup import build_model, setup_parallel
+
+from common import benchmark_parser, machine_line, median_seconds, timed, turn_order
 
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
          "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 OPTIMIZER = ["--weight-decay", "0", "--clip-grad", "0", "--lr-decay-style", "constant",
              "--lr-warmup-iters", "0", "--lr", "1e-3"]
-
-
-def storage_bytes(tensors, seen: set) -> int:
-    """Bytes of the storages of `tensors` (DTensors: their local shard) not in `seen`."""
-    from torch.distributed.tensor import DTensor
-    total = 0
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), str(tensor.device))
-        if storage.nbytes() and key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
-
-
-def model_state_bytes(model: list, optimizer) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer (fp32 main copies + state) on this rank,
-    each storage once, for megalite's grad buffer and FSDP2 chunks alike."""
-    seen: set = set()
-    params = [p for chunk in model for p in chunk.parameters()]
-    out = {"params": storage_bytes(params, seen)}
-    out["grads"] = storage_bytes(
-        [b.grad_data for chunk in model for b in getattr(chunk, "grad_buffers", [])]
-        + [p.grad for p in params] + [getattr(p, "main_grad", None) for p in params], seen)
-    state = [t for s in optimizer.optimizer.state.values() for t in s.values()
-             if torch.is_tensor(t)]
-    out["optimizer"] = storage_bytes([f.main for f in optimizer.fragments] + state, seen)
-    return out
-
-
-def fsdp_buffers(model: list) -> list[torch.Tensor]:
-    """FSDP2's unsharded tensors of this rank's chunks at this moment: gathered parameters and
-    unsharded (accumulated) grads (storages of size 0 once freed)."""
-    from torch.distributed.fsdp import FSDPModule
-    out = []
-    for module in (m for chunk in model for m in chunk.modules() if isinstance(m, FSDPModule)):
-        group = module._get_fsdp_state()._fsdp_param_group
-        for param in group.fsdp_params if group else []:
-            unsharded = getattr(param, "_unsharded_param", None)
-            out += [t for t in (unsharded, getattr(unsharded, "grad", None),
-                                param.unsharded_accumulated_grad) if t is not None]
-    return out
 
 
 def _batches(configs, steps: int) -> list[torch.Tensor]:
@@ -101,14 +56,13 @@ def _batches(configs, steps: int) -> list[torch.Tensor]:
 def _setup(argv: list[str], provider=None):
     """(configs, layout, model chunks, optimizer) built as pretrain_gpt builds them."""
     import pretrain_gpt
-    from megalite import training
     from megalite.config import parse_configs
     from megalite.layout import RunLayout
     from megalite.optimizer import get_optimizer
     configs = parse_configs(argv)
     layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
-    training.setup_parallel(configs, layout)
-    model = training.build_model(configs, provider or functools.partial(
+    setup_parallel(configs, layout)
+    model = build_model(configs, provider or functools.partial(
         pretrain_gpt.model_provider, configs))
     optimizer, _ = get_optimizer(configs.optimizer, configs.precision, model, 10)
     return configs, layout, model, optimizer
@@ -116,23 +70,19 @@ def _setup(argv: list[str], provider=None):
 
 def _train_step(configs, layout, model, optimizer, tokens: torch.Tensor) -> float:
     import pretrain_gpt
-    from megalite import training
-    return training.train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]), model,
-                               optimizer, layout)[0]
+    return train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]), model, optimizer,
+                      layout)[0]
 
 
 def measure(argv: list[str], steps: int) -> dict:
     """On every rank: a warm-up step and `steps` timed ones; the model state after them."""
     configs, layout, model, optimizer = _setup(argv)
-    times = []
-    for tokens in _batches(configs, steps + 1):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        _train_step(configs, layout, model, optimizer, tokens)
-        times.append(time.perf_counter() - start)
+    batches = _batches(configs, steps + 1)
+    seconds = median_seconds(lambda i: _train_step(configs, layout, model, optimizer, batches[i]),
+                             steps, barrier=True)
     return {"state": model_state_bytes(model, optimizer),
             "params": sum(p.numel() for chunk in model for p in chunk.parameters()),
-            "time": statistics.median(times[1:])}
+            "time": seconds}
 
 
 def closed_form(argv: list[str], world: int) -> float:
@@ -192,23 +142,18 @@ def hf_versus_megalite(argv: list[str], steps: int) -> dict:
                 "transformers": transformers_step}
     losses, times = {name: [] for name in steps_of}, {name: [] for name in steps_of}
     for i, tokens in enumerate(_batches(configs, steps + 1)):
-        for name in sorted(steps_of, reverse=i % 2 == 1):  # each goes first every other step
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            losses[name].append(steps_of[name](tokens))
-            times[name].append(time.perf_counter() - start)
+        for name in turn_order(steps_of, i):
+            seconds, loss = timed(functools.partial(steps_of[name], tokens), barrier=True)
+            losses[name].append(loss)
+            times[name].append(seconds)
     return {"losses": losses, "time": {k: statistics.median(v[1:]) for k, v in times.items()}}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps after one warm-up")
+    parser = benchmark_parser(__doc__, steps=8, num_layers=4, hidden_size=256, vocab_size=2048,
+                              seq_length=128, micro_batch_size=4)
     args = parser.parse_args()
+    print(machine_line())
     h = args.hidden_size
     model = ["--num-layers", str(args.num_layers), "--hidden-size", str(h),
              "--num-attention-heads", str(max(h // 64, 2)), "--ffn-hidden-size",
@@ -220,7 +165,8 @@ def main() -> None:
     mib = 2 ** 20
     print(f"Llama-shaped, {args.num_layers} layers, hidden {h}, vocab {args.vocab_size}; "
           f"gloo CPU ranks, OMP_NUM_THREADS=1\n")
-    print("1. Model state per rank, rank 0 (MiB): counted | closed form (megalite.planning.state_bytes)")
+    print("1. Model state per rank, rank 0 (MiB): counted | closed form "
+          "(megalite.planning.state_bytes)")
     print(f"{'DP':>2} {'precision':9} {'strategy':32} {'params':>7} {'grads':>7} {'optim.':>7} "
           f"{'total':>7} {'B/param':>7} {'closed':>7} {'ratio':>6}")
     timing = {}

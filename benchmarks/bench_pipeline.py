@@ -1,6 +1,6 @@
 """Megalite's pipeline schedules vs torch.distributed.pipelining's, on one model split.
 
-    python tools/bench_pipeline.py [--hidden 256 --seq 128 --micro-batch 2 --microbatches 8]
+    python benchmarks/bench_pipeline.py [--hidden 256 --seq 128 --micro-batch 2 --microbatches 8]
 
 The same GPT (megalite GPTModel chunks, same weights) over 4 gloo ranks, OMP_NUM_THREADS=1
 per rank: megalite 1f1b and zb-h1 (one stage of 2 layers per rank), interleaved (2 chunks,
@@ -20,11 +20,9 @@ import argparse
 import functools
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from fractions import Fraction
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,19 +32,20 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pretrain_gpt  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.device import current_device, free_port, init_distributed  # noqa: E402
-from megalite.distributed.finalize import sync_shared_embedding  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.stage import build_model_chunks  # noqa: E402
-from megalite.mpu import destroy_model_parallel, initialize_model_parallel  # noqa: E402
-from megalite.placement import INTERLEAVED, ONE_F_ONE_B, ZB_H1, ZBV  # noqa: E402
-from megalite.schedules import SCHEDULE_KINDS, get_forward_backward_func  # noqa: E402
-from megalite.schedules.accounting import bubble_fraction, schedule_bubble  # noqa: E402
-from megalite.schedules.executor import observe_computes  # noqa: E402
-from megalite.schedules.instructions import Instruction, Kind  # noqa: E402
+import pretrain_gpt
+from megalite.config import ModelConfig
+from megalite.device import current_device, free_port, init_distributed
+from megalite.distributed.finalize import sync_shared_embedding
+from megalite.models import GPTModel
+from megalite.models.stage import build_model_chunks
+from megalite.mpu import destroy_model_parallel, initialize_model_parallel
+from megalite.placement import INTERLEAVED, ONE_F_ONE_B, ZB_H1, ZBV
+from megalite.schedules import SCHEDULE_KINDS, get_forward_backward_func
+from megalite.schedules.accounting import bubble_fraction, schedule_bubble
+from megalite.schedules.executor import observe_computes
+from megalite.schedules.instructions import Instruction, Kind
+
+from common import benchmark_parser, machine_line
 
 P = 4
 LAYOUTS = {"loop, v=1": (None, False), "loop, v=2": (2, False), "V, v=2": (2, True)}
@@ -228,7 +227,7 @@ def simulated_bubble(ranks: list[dict], name: str, m: int, v: int) -> Fraction:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__, steps=5, warmup=1, seed=1234)
     parser.add_argument("--layers", type=int, default=8, help="multiple of 2p = 8")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
@@ -236,10 +235,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8, help="m, a multiple of p = 4")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
+    print(machine_line())
 
     os.environ["OMP_NUM_THREADS"] = "1"
     port = free_port()

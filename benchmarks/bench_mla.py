@@ -1,7 +1,7 @@
 """Multi-head latent attention vs grouped-query attention at equal parameter count: decode
 speed and KV-cache bytes per token, one process, greedy, fp32.
 
-  python tools/bench_mla.py [--batch-sizes 1 8] [--prompt-len 128] [--new-tokens 32]
+  python benchmarks/bench_mla.py [--batch-sizes 1 8] [--prompt-len 128] [--new-tokens 32]
 
 Both are megalite GPT models (RMSNorm, RoPE, SwiGLU) of --layers x --hidden with --heads
 heads. GQA: --groups KV groups of head dim hidden / heads. MLA: latent --kv-lora-rank, RoPE
@@ -11,21 +11,18 @@ MLA cache holds the latent and the RoPE key per layer, attended with W_uk absorb
 query (no expansion of the cached positions). Decode tokens/s: new tokens after the first
 over their time, best of --repeats.
 """
-import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from megalite.config import ModelConfig
+from megalite.device import current_device, init_distributed
+from megalite.inference import SamplingParams, generate
+from megalite.inference.generation import GenerationStats
+from megalite.models import GPTModel
+from megalite.models.spec import TransformerSpec
+from megalite.mpu import initialize_model_parallel
 
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.device import current_device, init_distributed  # noqa: E402
-from megalite.inference import SamplingParams, generate  # noqa: E402
-from megalite.inference.generation import GenerationStats  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.spec import TransformerSpec  # noqa: E402
-from megalite.mpu import initialize_model_parallel  # noqa: E402
+from common import benchmark_parser, machine_line
 
 
 def configs(args) -> dict[str, ModelConfig]:
@@ -68,8 +65,8 @@ def decode(models: list, prompts: list[list[int]], new: int, repeats: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, repeats=3, batch_sizes=[1, 8], prompt_len=128,
+                              new_tokens=32)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -78,11 +75,8 @@ def main() -> None:
     parser.add_argument("--qk-dim", type=int, default=48)
     parser.add_argument("--rope-dim", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    print(machine_line())
     init_distributed()
     initialize_model_parallel(1, 1)
     models = {}

@@ -1,6 +1,6 @@
 """Memory per rank of a small GPT under data parallelism, and the step time with overlap on/off.
 
-    python tools/bench_memory.py [--ranks 2 --hidden-size 256 --num-layers 4 --seq-length 256]
+    python benchmarks/bench_memory.py [--ranks 2 --hidden-size 256 --num-layers 4 --seq-length 256]
 
 Each configuration runs in a fresh group of `--ranks` gloo processes (DP = ranks,
 OMP_NUM_THREADS=1, model flags as pretrain_gpt.py) for one warm-up and `--steps` timed
@@ -28,53 +28,27 @@ allocator statistics):
 - step time: median over the timed steps, overlap_grad_reduce on vs off, with buckets of
   --ddp-bucket-size elements (default here 1M, so that there are several to overlap).
 """
+import contextlib
+import functools
 import os
 import resource
-import socket
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.config import (ModelConfig, OptimizerConfig, PrecisionConfig,  # noqa: E402
+from megalite.config import (ModelConfig, OptimizerConfig, PrecisionConfig,
                              TrainConfig, build_parser, config_from_args)
-from megalite.device import init_distributed  # noqa: E402
-from megalite.distributed import DistributedDataParallel  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
-from megalite.optimizer import get_optimizer  # noqa: E402
+from megalite.device import free_port, init_distributed
+from megalite.distributed import DistributedDataParallel
+from megalite.models import GPTModel
+from megalite.mpu import initialize_model_parallel, model_parallel_seed
+from megalite.optimizer import get_optimizer
+
+from common import SavedBytes, add_standard_flags, machine_line, median_seconds, rss_bytes
 
 PRECISIONS = {"fp32": PrecisionConfig(), "bf16": PrecisionConfig(bf16=True),
               "fp16": PrecisionConfig(fp16=True, initial_loss_scale=2.0 ** 16)}
 MEGATRON_BYTES = {"fp32": (16, 8, 8), "bf16": (18, 6, 12), "fp16": (20, 4, 16)}  # plain, a + b/d
-
-
-class SavedBytes:
-    """Counts the storages autograd saves, once each, by section ("layers" or "other")."""
-
-    def __init__(self, params) -> None:
-        self.excluded = {p.untyped_storage().data_ptr() for p in params}
-        self.seen: dict[int, tuple[str, int]] = {}
-        self.section = "other"
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.excluded and ptr not in self.seen:
-            self.seen[ptr] = (self.section, storage.nbytes())
-        return tensor
-
-    def total(self, section: str) -> int:
-        return sum(n for s, n in self.seen.values() if s == section)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _state_bytes(model: DistributedDataParallel, optimizer) -> dict[str, int]:
@@ -86,19 +60,12 @@ def _state_bytes(model: DistributedDataParallel, optimizer) -> dict[str, int]:
                          for t in s.values() if torch.is_tensor(t))}
 
 
-def _step(model, optimizer, tokens: torch.Tensor, saved: SavedBytes | None) -> None:
+def _step(model, optimizer, tokens: torch.Tensor, saved: SavedBytes, index: int) -> None:
+    """One training step; the first (index 0) counts the bytes autograd saves."""
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    if saved is None:
+    with saved if index == 0 else contextlib.nullcontext():
         loss = model(tokens[:, :-1], tokens[:, 1:]).float().mean()
-    else:
-        encoder = model.module.encoder
-        enter = encoder.register_forward_pre_hook(lambda *_: setattr(saved, "section", "layers"))
-        leave = encoder.register_forward_hook(lambda *_: setattr(saved, "section", "other"))
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            loss = model(tokens[:, :-1], tokens[:, 1:]).float().mean()
-        enter.remove()
-        leave.remove()
     (loss * optimizer.loss_scale).backward()
     model.finish_grad_sync()
     optimizer.step()
@@ -112,7 +79,7 @@ def _worker(rank: int, world: int, port: int, run: dict, queue) -> None:
     model_parallel_seed(1234, 0)
     results = {}
     for name, (model_config, precision, opt) in run["configs"].items():
-        baseline = _rss_bytes()
+        baseline = rss_bytes()
         model = DistributedDataParallel(
             GPTModel(model_config, params_dtype=precision.params_dtype),
             bucket_size=opt.ddp_bucket_size, overlap_grad_reduce=opt.overlap_grad_reduce,
@@ -120,18 +87,14 @@ def _worker(rank: int, world: int, port: int, run: dict, queue) -> None:
         optimizer, _ = get_optimizer(opt, precision, model, train_iters=100)
         tokens = torch.randint(0, model_config.vocab_size,
                                (run["micro_batch_size"], run["seq_length"] + 1))
-        saved = SavedBytes(model.parameters())
-        times = []
-        for step in range(run["steps"] + 1):
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            _step(model, optimizer, tokens, saved if step == 0 else None)
-            times.append(time.perf_counter() - start)
+        saved = SavedBytes(model.parameters(), model.module.encoder)
+        seconds = median_seconds(functools.partial(_step, model, optimizer, tokens, saved),
+                                 run["steps"], barrier=True)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
         results[name] = {"state": _state_bytes(model, optimizer),
                          "n_params": sum(p.numel() for p in model.parameters()),
                          "layers": saved.total("layers"), "other": saved.total("other"),
-                         "rss": peak, "time": statistics.median(times[1:])}
+                         "rss": peak, "time": seconds}
         del model, optimizer
     if rank == 0:
         queue.put(results)
@@ -140,11 +103,8 @@ def _worker(rank: int, world: int, port: int, run: dict, queue) -> None:
 
 def _launch(world: int, run: dict) -> dict:
     """Run `run` on `world` fresh processes; rank 0's results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(world, port, run, queue), nprocs=world)
+    mp.spawn(_worker, args=(world, free_port(), run, queue), nprocs=world)
     return queue.get()
 
 
@@ -163,10 +123,10 @@ def _with(config, **changes):
 
 def main() -> None:
     parser = build_parser([ModelConfig, TrainConfig, OptimizerConfig], __doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2, help="DP ranks d")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    add_standard_flags(parser, ranks=2, steps=3)
     parser.set_defaults(ddp_bucket_size=1_000_000)
     args = parser.parse_args()
+    print(machine_line())
     model, train, opt = (config_from_args(c, args) for c in (ModelConfig, TrainConfig,
                                                              OptimizerConfig))
     d, s, b = args.ranks, train.seq_length, train.micro_batch_size

@@ -1,29 +1,25 @@
 """Generation speed: megalite vs transformers `generate`, greedy, same weights, one process.
 
-  python tools/bench_generate.py [--models gpt2 smollm2] [--batch-sizes 1 8]
+  python benchmarks/bench_generate.py [--models gpt2 smollm2] [--batch-sizes 1 8]
 
 Per model and batch size: prefill tokens/s (prompt tokens over the time to the first new
 token) and decode tokens/s (new tokens after the first over the rest of the time), each
 the best of --repeats runs, and whether both produced the same tokens. fp32; on CPU unless
 a GPU is visible.
 """
-import argparse
-import os
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from megalite.config import ModelConfig
+from megalite.device import current_device, init_distributed
+from megalite.hf.gpt2 import megalite_to_gpt2, to_gpt2_config
+from megalite.inference import SamplingParams, generate
+from megalite.inference.loading import build_inference_model
+from megalite.models import GPTModel
+from megalite.models.sharding import full_state_dict
+from megalite.mpu import initialize_model_parallel
 
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.device import current_device, init_distributed  # noqa: E402
-from megalite.hf.gpt2 import megalite_to_gpt2, to_gpt2_config  # noqa: E402
-from megalite.inference import SamplingParams, generate  # noqa: E402
-from megalite.inference.loading import build_inference_model  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.sharding import full_state_dict  # noqa: E402
-from megalite.mpu import initialize_model_parallel  # noqa: E402
+from common import benchmark_parser, machine_line, timed
 
 
 def gpt2_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -54,33 +50,24 @@ def smollm2_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
 MODELS = {"gpt2": gpt2_pair, "smollm2": smollm2_pair}
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def measure(runs: list, batch: int, prompt_len: int, new: int, repeats: int) -> list:
     """[(prefill tokens/s, decode tokens/s)] of each run(max_new_tokens), best of `repeats`;
     the runs take turns, so a busy machine slows them alike."""
     first, full = [float("inf")] * len(runs), [float("inf")] * len(runs)
     for _ in range(repeats):
         for i, run in enumerate(runs):
-            first[i] = min(first[i], _timed(lambda: run(1)))
-            full[i] = min(full[i], _timed(lambda: run(new)))
+            first[i] = min(first[i], timed(lambda: run(1))[0])
+            full[i] = min(full[i], timed(lambda: run(new))[0])
     return [(batch * prompt_len / f, batch * (new - 1) / max(t - f, 1e-9))
             for f, t in zip(first, full)]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, repeats=3, batch_sizes=[1, 8], prompt_len=64,
+                              new_tokens=32)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    print(machine_line())
     init_distributed()
     initialize_model_parallel(1, 1)
     print(f"device {current_device()}, {torch.get_num_threads()} threads, prompt "
@@ -106,7 +93,8 @@ def main() -> None:
                                        do_sample=False, max_new_tokens=n, min_new_tokens=n,
                                        eos_token_id=None, pad_token_id=0)
 
-            same = run_ours(args.new_tokens) == run_hf(args.new_tokens)[:, args.prompt_len:].tolist()
+            same = run_ours(args.new_tokens) == \
+                run_hf(args.new_tokens)[:, args.prompt_len:].tolist()
             (ours_pf, ours_dec), (hf_pf, hf_dec) = measure(
                 [run_ours, run_hf], batch, args.prompt_len, args.new_tokens, args.repeats)
             print(f"{name:>8} {batch:>5} | {ours_pf:8.0f} {hf_pf:8.0f} {ours_pf / hf_pf:8.2f}x | "

@@ -1,11 +1,11 @@
 """Training throughput of megalite's GPTModel vs transformers' GPT2LMHeadModel (or, with
 --model llama, LlamaForCausalLM), one process.
 
-    python tools/bench_gpt.py                       # reference config, fp32 and bf16, CPU
-    python tools/bench_gpt.py --model llama --precisions fp32   # 8 heads, 2 KV groups, FFN 1408
-    python tools/bench_gpt.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \\
+    python benchmarks/bench_gpt.py                  # reference config, fp32 and bf16, CPU
+    python benchmarks/bench_gpt.py --model llama --precisions fp32  # 8 heads, 2 KV groups, FFN 1408
+    python benchmarks/bench_gpt.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \\
         --vocab-size 50257 --seq-length 2048 --micro-batch-size 8 --precisions bf16 \\
-        --device cuda                               # GPT-2 medium (~350M) on a GPU
+        --device cuda                          # GPT-2 medium (~350M) on a GPU
 
 Both models have the same config and the same random weights (the HF model is built from
 a GPT2Config / LlamaConfig, `load_gpt2` / `load_llama` copies its state dict into megalite;
@@ -36,51 +36,42 @@ the top ops by self time.
 """
 import argparse
 import contextlib
-import os
+import functools
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pretrain_gpt  # noqa: E402
-from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
+import pretrain_gpt
+from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
-from megalite.device import init_distributed, reduced_precision_warning  # noqa: E402
-from megalite.distributed import DistributedDataParallel  # noqa: E402
-from megalite.hf import load_gpt2, load_llama, to_gpt2_config, to_llama_config  # noqa: E402
-from megalite.models import GPTModel, TransformerSpec  # noqa: E402
-from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
-from megalite.optimizer import get_optimizer  # noqa: E402
-from megalite.layout import RunLayout  # noqa: E402
-from megalite.training.loop import train_step  # noqa: E402
+from megalite.device import init_distributed, reduced_precision_warning
+from megalite.distributed import DistributedDataParallel
+from megalite.hf import load_gpt2, load_llama, to_gpt2_config, to_llama_config
+from megalite.models import GPTModel, TransformerSpec
+from megalite.mpu import initialize_model_parallel, model_parallel_seed
+from megalite.layout import RunLayout
+from megalite.optimizer import get_optimizer
+from megalite.training.loop import train_step
+
+from common import benchmark_parser, machine_line, sync, timed, turn_order
 
 H100_BF16_DENSE = 989e12
 LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = benchmark_parser(__doc__, device="cpu", warmup=2, num_layers=4, hidden_size=512,
+                         num_attention_heads=8, vocab_size=8192, seq_length=512,
+                         micro_batch_size=8)
     p.add_argument("--model", default="gpt2", choices=sorted(FAMILIES),
                    help="gpt2: GPT2LMHeadModel; llama: LlamaForCausalLM (RMSNorm, rope, SwiGLU, "
                         "GQA, untied head)")
     p.add_argument("--num-query-groups", type=int, default=2, help="llama: KV groups")
     p.add_argument("--ffn-hidden-size", type=int, default=None,
                    help="MLP width (default: 4h for gpt2, 1408 for llama)")
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-attention-heads", type=int, default=8)
-    p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--seq-length", type=int, default=512)
-    p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per model and precision")
     p.add_argument("--reps", type=int, default=8, help="timed steps per model and precision")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--peak-size", type=int, default=4096, help="n of the n x n peak matmuls")
     p.add_argument("--compile", action="store_true",
                    help="megalite's transformer layers wrapped in torch.compile (an experiment: "
@@ -91,11 +82,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 5) -> list[float]:
     """FLOP/s of n x n @ n x n matmuls (2 n^3 each), one figure per rep after one warm-up."""
     a = torch.randn(n, n, device=device).to(dtype)
@@ -103,12 +89,9 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 5)
     out = torch.empty(n, n, device=device, dtype=dtype)
     rates = []
     for i in range(reps + 1):
-        sync(device)
-        start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        sync(device)
+        seconds, _ = timed(lambda: torch.mm(a, b, out=out), device)
         if i:
-            rates.append(2 * n ** 3 / (time.perf_counter() - start))
+            rates.append(2 * n ** 3 / seconds)
     return rates
 
 
@@ -238,14 +221,6 @@ def run_models(args, config: ModelConfig, precision: str, device: torch.device, 
     return HFRunner(hf, precision, device), ours, err
 
 
-def time_step(runner, tokens, device) -> tuple[float, float]:
-    sync(device)
-    start = time.perf_counter()
-    loss = runner.step(tokens)
-    sync(device)
-    return time.perf_counter() - start, float(loss)
-
-
 def profile(args, config, device, tokens) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
     hf_runner, ours, _ = run_models(args, config, args.profile, device, tokens)
@@ -291,8 +266,7 @@ def main() -> None:
           f"FLOPs/token 6N + 12Lsad = {fpt / 1e6:.1f} M")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, device "
           f"{device.type}" + (f", {torch.get_num_threads()} threads" if device.type == "cpu"
-                              else f" ({torch.cuda.get_device_name()})")
-          + (f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""))
+                              else f" ({torch.cuda.get_device_name()})") + f"; {machine_line()}")
     if args.profile:
         profile(args, config, device, tokens)
         return
@@ -313,14 +287,13 @@ def main() -> None:
         first = {}
         for name, runner in runners.items():
             for i in range(args.warmup):
-                _, loss = time_step(runner, tokens, device)
+                _, loss = timed(functools.partial(runner.step, tokens), device)
                 if i == 0:
-                    first[name] = loss
+                    first[name] = float(loss)
         times = {name: [] for name in runners}
         for rep in range(args.reps):
-            order = ["HF", "megalite"] if rep % 2 == 0 else ["megalite", "HF"]
-            for name in order:
-                times[name].append(time_step(runners[name], tokens, device)[0])
+            for name in turn_order(runners, rep):
+                times[name].append(timed(functools.partial(runners[name].step, tokens), device)[0])
         results[precision] = times
         print(f"{precision}: start logits rel. diff {err:.1e}; first-step loss HF "
               f"{first['HF']:.4f} megalite {first['megalite']:.4f}; step times (s) "
@@ -353,7 +326,7 @@ def main() -> None:
             if device.type == "cuda":
                 line += f" {flops / H100_BF16_DENSE:9.1%}"
             print(line)
-    print(f"(load average now {os.getloadavg()[0]:.2f})")
+    print(f"({machine_line()})")
     torch.distributed.destroy_process_group()
 
 

@@ -21,7 +21,7 @@ from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel
 from megalite.optimizer import get_optimizer
-from tests.reference import rel_err
+from tests.helpers.reference import rel_err
 
 VOCAB, SEQ, LR = 97, 8, 1e-3
 CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,

@@ -1,6 +1,6 @@
 """Activation memory and step time of sequence and context parallelism at a long sequence.
 
-    python tools/bench_long_context.py [--seq-length 4096 --hidden-size 128 --num-layers 2]
+    python benchmarks/bench_long_context.py [--seq-length 4096 --hidden-size 128 --num-layers 2]
 
 A GPT-2-shaped model (fp32, dropout off, selective recompute) on gloo CPU ranks
 (OMP_NUM_THREADS=1 each), one microbatch of one sequence per rank and step:
@@ -17,46 +17,27 @@ A GPT-2-shaped model (fp32, dropout off, selective recompute) on gloo CPU ranks
   holding the whole sequence, at half the tokens per step).
 Prints tables; asserts nothing. The machine's other load moves the times.
 """
-import argparse
 import contextlib
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.distributed import DistributedDataParallel  # noqa: E402
-from megalite.distributed.finalize import finalize_model_grads  # noqa: E402
-from megalite.distributed.rank_pool import run_once  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
-from megalite.mpu import parallel_state as ps  # noqa: E402
-from megalite.mpu.context_parallel import get_batch_on_this_cp_rank  # noqa: E402
-from megalite.planning.activations import activation_bytes_per_layer  # noqa: E402
+from megalite.config import ModelConfig
+from megalite.distributed import DistributedDataParallel
+from megalite.distributed.finalize import finalize_model_grads
+from megalite.distributed.rank_pool import run_once
+from megalite.models import GPTModel
+from megalite.mpu import initialize_model_parallel, model_parallel_seed
+from megalite.mpu import parallel_state as ps
+from megalite.mpu.context_parallel import get_batch_on_this_cp_rank
+from megalite.planning.activations import activation_bytes_per_layer
+
+from common import SavedBytes, benchmark_parser, machine_line, median_seconds
 
 MiB = 2 ** 20
 # name -> (world, tp, cp, sequence parallel, microbatches per step)
 CASES = {"TP2": (2, 2, 1, False, 1), "TP2 + SP": (2, 2, 1, True, 1),
          "CP1": (1, 1, 1, False, 1), "DP2": (2, 1, 1, False, 1), "CP2": (2, 1, 2, False, 2),
          "DP4": (4, 1, 1, False, 1), "CP4": (4, 1, 4, False, 4)}
-
-
-class LayerSavedBytes:
-    """Bytes of the storages autograd saves while `active`, once each, parameters excluded."""
-
-    def __init__(self, params) -> None:
-        self.excluded = {p.untyped_storage().data_ptr() for p in params}
-        self.seen: dict[int, int] = {}
-        self.active = False
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if self.active and storage.data_ptr() not in self.excluded:
-            self.seen.setdefault(storage.data_ptr(), storage.nbytes())
-        return tensor
 
 
 def _config(args) -> ModelConfig:
@@ -74,36 +55,26 @@ def _case(args, tp: int, cp: int, sp: bool, microbatches: int) -> dict:
     tokens = torch.randint(0, 1000, (1, args.seq_length + 1),
                            generator=torch.Generator().manual_seed(ps.get_data_parallel_rank()))
     inputs, labels, positions = get_batch_on_this_cp_rank(tokens[:, :-1], tokens[:, 1:])
-    saved = LayerSavedBytes(model.parameters())
-    encoder = model.module.encoder
-    encoder.register_forward_pre_hook(lambda *_: setattr(saved, "active", True))
-    encoder.register_forward_hook(lambda *_: setattr(saved, "active", False))
-    times = []
-    for step in range(args.steps + 1):
-        model.zero_grad_buffer()
-        torch.distributed.barrier()
-        start = time.perf_counter()
+    saved = SavedBytes(model.parameters(), model.module.encoder)
+
+    def step(index: int) -> None:
         for micro in range(microbatches):
-            measure = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t) \
-                if step == micro == 0 else contextlib.nullcontext()
-            with measure:
+            with saved if index == micro == 0 else contextlib.nullcontext():
                 loss = model(inputs, labels, positions).mean() / microbatches
             with model.no_sync() if micro < microbatches - 1 else contextlib.nullcontext():
                 loss.backward()
         finalize_model_grads([model])
-        times.append(time.perf_counter() - start)
-    return {"layer bytes": sum(saved.seen.values()), "time": statistics.median(times[1:])}
+        model.zero_grad_buffer()
+    seconds = median_seconds(step, args.steps, barrier=True)
+    return {"layer bytes": saved.total("layers"), "time": seconds}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-length", type=int, default=4096)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--num-attention-heads", type=int, default=2)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
+    parser = benchmark_parser(__doc__, steps=2, num_layers=2, hidden_size=128,
+                              num_attention_heads=2, seq_length=4096)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     args = parser.parse_args()
+    print(machine_line())
     s, h, a, layers = args.seq_length, args.hidden_size, args.num_attention_heads, args.num_layers
     print(f"GPT-2 shape: {layers} layers, hidden {h}, {a} heads, seq {s}, micro batch 1, fp32, "
           f"selective recompute, gloo CPU ranks")

@@ -1,6 +1,6 @@
 """Save and load of distributed checkpoints against the previous format, on gloo CPU ranks.
 
-    python tools/bench_checkpoint.py [--ranks 8 --hidden-size 512 --num-layers 12]
+    python benchmarks/bench_checkpoint.py [--ranks 8 --hidden-size 512 --num-layers 12]
 
 For each layout (TP2 x PP2 x DP2 ZeRO-1, DP 8 ZeRO-1, DP 8 ZeRO-3) every rank builds its shard
 of a GPT (32k vocabulary), takes one Adam step on random grads (so the optimizer state
@@ -11,35 +11,32 @@ exists) and then, between barriers:
   reads every stage file whole and its own optimizer file (not for ZeRO-3, which it had not);
 - async: the time a save blocks the loop with --async-save (host copy) and the wait at the
   next save after one more step of busy work as long as the synchronous save, vs sync.
-Wall time is the slowest rank's, the best of --repeats runs; peak host memory is the largest rise of any rank's resident
-set over its level before the operation (sampled every 2 ms). Prints a table; asserts nothing.
+Wall time is the slowest rank's, the best of --repeats runs; peak host memory is the largest
+rise of any rank's resident set over its level before the operation (sampled every 2 ms).
+Prints a table; asserts nothing.
 """
-import argparse
 import os
-import resource
 import shutil
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from megalite import checkpoint  # noqa: E402
-from megalite.checkpoint.files import (load_state, read_tensors, save_state,  # noqa: E402
-                                       write_tensors)
-from megalite.config import parse_configs  # noqa: E402
-from megalite.device import current_device  # noqa: E402
-from megalite.distributed.rank_pool import run_once  # noqa: E402
-from megalite.layout import RunLayout  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.models.sharding import full_state_dict, load_full_state_dict  # noqa: E402
-from megalite.mpu import parallel_state as ps  # noqa: E402
-from megalite.optimizer import get_optimizer  # noqa: E402
-from megalite.training.setup import build_model, setup_parallel  # noqa: E402
+from megalite import checkpoint
+from megalite.checkpoint.files import load_state, read_tensors, save_state, write_tensors
+from megalite.config import parse_configs
+from megalite.device import current_device
+from megalite.distributed.rank_pool import run_once
+from megalite.layout import RunLayout
+from megalite.models import GPTModel
+from megalite.models.sharding import full_state_dict, load_full_state_dict
+from megalite.mpu import parallel_state as ps
+from megalite.optimizer import get_optimizer
+from megalite.training.setup import build_model, setup_parallel
+
+from common import PeakRss, benchmark_parser, machine_line, timed
 
 ZERO1, ZERO3 = ["--use-distributed-optimizer"], ["--data-parallel-sharding-strategy",
                                                  "optim_grads_params"]
@@ -47,40 +44,11 @@ LAYOUTS = {"TP2 x PP2 x DP2": ["--tp", "2", "--pp", "2", "--dp", "2", *ZERO1],
            "DP 8": ["--dp", "8", *ZERO1], "DP 8 ZeRO-3": ["--dp", "8", *ZERO3]}
 
 
-class PeakRss:
-    """The largest rise of this process's resident set while entered (bytes)."""
-
-    def __enter__(self) -> "PeakRss":
-        self.base = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self._rss())
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-        self.rise = self.peak - self.base
-
-
 def _timed(fn) -> tuple[float, int]:
     """(wall seconds between barriers, peak RSS rise) of fn() on this rank."""
     dist.barrier()
     with PeakRss() as rss:
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        seconds = time.perf_counter() - start
+        seconds, _ = timed(lambda: (fn(), dist.barrier()))
     return seconds, rss.rise
 
 
@@ -129,11 +97,11 @@ def bench(flags: list[str], model_flags: list[str], root: str, repeats: int) -> 
         os.makedirs(f"{root}/old", exist_ok=True)
 
     def save(async_save: bool = False, iteration: int = 1):
-        return checkpoint.save(f"{root}/new", iteration, model, optimizer,
-                                             scheduler, 0, configs.model, async_save=async_save)
+        return checkpoint.save(f"{root}/new", iteration, model, optimizer, scheduler, 0,
+                               configs.model, async_save=async_save)
     ops = {"new save": save,
-           "new load": lambda: checkpoint.load(f"{root}/new", model, optimizer,
-                                                             scheduler, configs.model)}
+           "new load": lambda: checkpoint.load(f"{root}/new", model, optimizer, scheduler,
+                                               configs.model)}
     if configs.optimizer.sharding == "optim":  # format 2 knew no FSDP
         ops.update({"old save": lambda: _old_save(f"{root}/old", model, optimizer),
                     "old load": lambda: _old_load(f"{root}/old", model, optimizer)})
@@ -152,12 +120,9 @@ def bench(flags: list[str], model_flags: list[str], root: str, repeats: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=3, help="each operation's best of N")
+    parser = benchmark_parser(__doc__, ranks=8, repeats=3, num_layers=12, hidden_size=512)
     args = parser.parse_args()
+    print(machine_line())
     model_flags = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
                    "--num-attention-heads", "8", "--vocab-size", "32000", "--seq-length", "128",
                    "--max-position-embeddings", "128", "--micro-batch-size", "1",

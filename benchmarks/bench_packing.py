@@ -1,6 +1,6 @@
 """Packed vs padded chat finetuning, and the cost of the document mask.
 
-    python tools/bench_packing.py [--seq-length 512 --conversations 64 --repeats 3]
+    python benchmarks/bench_packing.py [--seq-length 512 --conversations 64 --repeats 3]
 
 Conversations with a chat-like length distribution (log-normal, median 150 tokens, cut to
 [24, seq + 1]) train a small Llama-shaped model (fp32, one rank, the real forward step of
@@ -17,23 +17,21 @@ Times are CPU seconds of the one-thread worker (process time: a shared machine's
 moves them far less than wall time), the fastest of --repeats runs with the modes
 interleaved. Prints a table; asserts nothing.
 """
-import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pretrain_gpt  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.data.packed import pack_examples, pad_examples, token_weighted_batches  # noqa: E402
-from megalite.distributed.rank_pool import run_once  # noqa: E402
-from megalite.models import GPTModel  # noqa: E402
-from megalite.mpu import initialize_model_parallel, model_parallel_seed  # noqa: E402
-from megalite.mpu.document_mask import DocumentMask  # noqa: E402
+import pretrain_gpt
+from megalite.config import ModelConfig
+from megalite.data.packed import pack_examples, pad_examples, token_weighted_batches
+from megalite.distributed.rank_pool import run_once
+from megalite.models import GPTModel
+from megalite.mpu import initialize_model_parallel, model_parallel_seed
+from megalite.mpu.document_mask import DocumentMask
+
+from common import benchmark_parser, machine_line
 
 VOCAB = 1000
 
@@ -134,15 +132,11 @@ def _bench(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-length", type=int, default=512)
+    parser = benchmark_parser(__doc__, repeats=3, num_layers=4, hidden_size=256,
+                              num_attention_heads=4, seq_length=512, micro_batch_size=4)
     parser.add_argument("--conversations", type=int, default=64)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=4)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    print(machine_line())
     r = run_once(1, _bench, args, timeout=3000)[0]
     s = args.seq_length
     print(f"Llama shape: {args.num_layers} layers, hidden {args.hidden_size}, "
