@@ -26,9 +26,9 @@ from megalite.optimizer import get_optimizer, kinds
 from megalite.planning.planner import plan
 from megalite.planning.state_bytes import state_bytes_per_param
 from megalite.training.setup import build_model
-from tests.dp_reference import (CONFIG, Reference, batches, compute_grads, full_params,
+from tests.helpers.dp_reference import (CONFIG, Reference, batches, compute_grads, full_params,
                                 init_grid, local_slice, max_rel_err, opt_config)
-from tests.multirank import run_on_ranks
+from tests.helpers.multirank import run_on_ranks
 from tests.test_imports import imports
 
 OPTIMIZERS = {"adam": (OptimizerConfig(), 8), "sgd": (OptimizerConfig(optimizer="sgd"), 4),
