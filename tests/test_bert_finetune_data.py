@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from megalite.config import COLUMNS
+from megalite.data.finetune import COLUMNS
 from megalite.data.finetune import PairDataset, load_tokenizer, read_pairs
 from megalite.data.finetune_builtin import builtin_pair_task
 from megalite.hf.bert import read_bert_dir

@@ -12,8 +12,8 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[1] / "megalite"
-LOW = ["config.py", "mpu"]  # below the units in HIGH
-HIGH = {"megalite.schedules", "megalite.models", "megalite.training"}
+LOW = ["config", "mpu"]  # below the units in HIGH
+HIGH = {"megalite.schedules", "megalite.models", "megalite.training", "megalite.tasks"}
 
 
 def _module(path: Path) -> str:

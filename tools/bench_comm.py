@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pretrain_gpt  # noqa: E402
+from megalite.tasks import gpt as pretrain_gpt  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.distributed.finalize import sync_shared_embedding  # noqa: E402
 from megalite.distributed.rank_pool import run_once  # noqa: E402

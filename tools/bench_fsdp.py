@@ -100,7 +100,7 @@ def _batches(configs, steps: int) -> list[torch.Tensor]:
 
 def _setup(argv: list[str], provider=None):
     """(configs, layout, model chunks, optimizer) built as pretrain_gpt builds them."""
-    import pretrain_gpt
+    from megalite.tasks import gpt as pretrain_gpt
     from megalite import training
     from megalite.config import parse_configs
     from megalite.layout import RunLayout
@@ -115,7 +115,7 @@ def _setup(argv: list[str], provider=None):
 
 
 def _train_step(configs, layout, model, optimizer, tokens: torch.Tensor) -> float:
-    import pretrain_gpt
+    from megalite.tasks import gpt as pretrain_gpt
     from megalite import training
     return training.train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]), model,
                                optimizer, layout)[0]

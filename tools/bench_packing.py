@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pretrain_gpt  # noqa: E402
+from megalite.tasks import gpt as pretrain_gpt  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.data.packed import pack_examples, pad_examples, token_weighted_batches  # noqa: E402
 from megalite.distributed.rank_pool import run_once  # noqa: E402

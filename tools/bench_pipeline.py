@@ -35,7 +35,7 @@ from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pretrain_gpt  # noqa: E402
+from megalite.tasks import gpt as pretrain_gpt  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.device import current_device, free_port, init_distributed  # noqa: E402
 from megalite.distributed.finalize import sync_shared_embedding  # noqa: E402

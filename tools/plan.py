@@ -228,7 +228,7 @@ def measure_rank(argv: list[str]) -> dict:
     `argv`; the model state and the peak of saved-for-backward bytes in the second."""
     from bench_fsdp import fsdp_buffers, model_state_bytes
 
-    import pretrain_gpt
+    from megalite.tasks import gpt as pretrain_gpt
     from megalite import training
     from megalite.layout import RunLayout
     from megalite.mpu import parallel_state as ps
