@@ -8,7 +8,11 @@
   `ChatFinetuning`, its config section `sft` (SFTConfig);
 - runner.py: parsing, the error-exit policy (one `error:` line, exit 2) and `main`.
 
-A task's config section is a dataclass registered with `megalite.config.task_section(name)`;
-its module parses with `optional=(name,)` and reads it as `configs.<name>`. Each module's
-`run(argv)` trains in this process and `main(argv)` is its script's entry point.
+A task's config section is a dataclass registered with `megalite.config.task_section(name)`
+when its module is imported (this package imports all three); the module parses with
+`optional=(name,)` and reads it as `configs.<name>`. Each module's `run(argv)` trains in this
+process and `main(argv)` is its script's entry point.
 """
+from megalite.tasks import bert, gpt, runner, sft  # importing a task registers its section
+
+__all__ = ["bert", "gpt", "runner", "sft"]
