@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import PeakRss, benchmark_parser, machine_line, timed
 
 from megalite import checkpoint
 from megalite.checkpoint.files import load_state, read_tensors, save_state, write_tensors
@@ -35,8 +36,6 @@ from megalite.models.sharding import full_state_dict, load_full_state_dict
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import get_optimizer
 from megalite.training.setup import build_model, setup_parallel
-
-from common import PeakRss, benchmark_parser, machine_line, timed
 
 ZERO1, ZERO3 = ["--use-distributed-optimizer"], ["--data-parallel-sharding-strategy",
                                                  "optim_grads_params"]

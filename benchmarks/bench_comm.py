@@ -27,8 +27,8 @@ import time
 
 import torch
 import torch.distributed as dist
+from common import benchmark_parser, machine_line
 
-import pretrain_gpt
 from megalite.config import ModelConfig
 from megalite.distributed.finalize import sync_shared_embedding
 from megalite.distributed.rank_pool import run_once
@@ -42,8 +42,7 @@ from megalite.schedules import get_forward_backward_func, resolve_schedule
 from megalite.schedules.accounting import schedule_bubble
 from megalite.schedules.executor import observe_computes
 from megalite.schedules.instructions import COMPUTE
-
-from common import benchmark_parser, machine_line
+from megalite.tasks import gpt as pretrain_gpt
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VOCAB = 256  # small, so that the first and last stage cost about what the others do

@@ -28,14 +28,13 @@ import functools
 import statistics
 
 import torch
+from common import benchmark_parser, machine_line, median_seconds, timed, turn_order
 
 from megalite.distributed.rank_pool import RankPool
 from megalite.planning.measured import model_state_bytes
 from megalite.sharding import STRATEGY_NAMES as STRATEGIES
 from megalite.training.loop import train_step
 from megalite.training.setup import build_model, setup_parallel
-
-from common import benchmark_parser, machine_line, median_seconds, timed, turn_order
 
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
          "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
@@ -55,10 +54,10 @@ def _batches(configs, steps: int) -> list[torch.Tensor]:
 
 def _setup(argv: list[str], provider=None):
     """(configs, layout, model chunks, optimizer) built as pretrain_gpt builds them."""
-    import pretrain_gpt
     from megalite.config import parse_configs
     from megalite.layout import RunLayout
     from megalite.optimizer import get_optimizer
+    from megalite.tasks import gpt as pretrain_gpt
     configs = parse_configs(argv)
     layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
     setup_parallel(configs, layout)
@@ -69,7 +68,7 @@ def _setup(argv: list[str], provider=None):
 
 
 def _train_step(configs, layout, model, optimizer, tokens: torch.Tensor) -> float:
-    import pretrain_gpt
+    from megalite.tasks import gpt as pretrain_gpt
     return train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]), model, optimizer,
                       layout)[0]
 

@@ -9,6 +9,7 @@ a GPU is visible.
 """
 
 import torch
+from common import benchmark_parser, machine_line, timed
 
 from megalite.config import ModelConfig
 from megalite.device import current_device, init_distributed
@@ -18,8 +19,6 @@ from megalite.inference.loading import build_inference_model
 from megalite.models import GPTModel
 from megalite.models.sharding import full_state_dict
 from megalite.mpu import initialize_model_parallel
-
-from common import benchmark_parser, machine_line, timed
 
 
 def gpt2_pair() -> tuple[torch.nn.Module, torch.nn.Module]:

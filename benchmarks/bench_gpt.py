@@ -40,20 +40,19 @@ import functools
 import statistics
 
 import torch
+from common import benchmark_parser, machine_line, sync, timed, turn_order
 
-import pretrain_gpt
-from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
-                             OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
+from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig, OptimizerConfig,
+                             ParallelConfig, PrecisionConfig, TrainConfig)
 from megalite.device import init_distributed, reduced_precision_warning
 from megalite.distributed import DistributedDataParallel
 from megalite.hf import load_gpt2, load_llama, to_gpt2_config, to_llama_config
+from megalite.layout import RunLayout
 from megalite.models import GPTModel, TransformerSpec
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
-from megalite.layout import RunLayout
 from megalite.optimizer import get_optimizer
+from megalite.tasks import gpt as pretrain_gpt
 from megalite.training.loop import train_step
-
-from common import benchmark_parser, machine_line, sync, timed, turn_order
 
 H100_BF16_DENSE = 989e12
 LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
@@ -222,7 +221,8 @@ def run_models(args, config: ModelConfig, precision: str, device: torch.device, 
 
 
 def profile(args, config, device, tokens) -> None:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
     hf_runner, ours, _ = run_models(args, config, args.profile, device, tokens)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])

@@ -20,6 +20,7 @@ Prints tables; asserts nothing. The machine's other load moves the times.
 import contextlib
 
 import torch
+from common import SavedBytes, benchmark_parser, machine_line, median_seconds
 
 from megalite.config import ModelConfig
 from megalite.distributed import DistributedDataParallel
@@ -30,8 +31,6 @@ from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.context_parallel import get_batch_on_this_cp_rank
 from megalite.planning.activations import activation_bytes_per_layer
-
-from common import SavedBytes, benchmark_parser, machine_line, median_seconds
 
 MiB = 2 ** 20
 # name -> (world, tp, cp, sequence parallel, microbatches per step)

@@ -35,16 +35,15 @@ import resource
 
 import torch
 import torch.multiprocessing as mp
+from common import SavedBytes, add_standard_flags, machine_line, median_seconds, rss_bytes
 
-from megalite.config import (ModelConfig, OptimizerConfig, PrecisionConfig,
-                             TrainConfig, build_parser, config_from_args)
+from megalite.config import (ModelConfig, OptimizerConfig, PrecisionConfig, TrainConfig,
+                             build_parser, config_from_args)
 from megalite.device import free_port, init_distributed
 from megalite.distributed import DistributedDataParallel
 from megalite.models import GPTModel
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.optimizer import get_optimizer
-
-from common import SavedBytes, add_standard_flags, machine_line, median_seconds, rss_bytes
 
 PRECISIONS = {"fp32": PrecisionConfig(), "bf16": PrecisionConfig(bf16=True),
               "fp16": PrecisionConfig(fp16=True, initial_loss_scale=2.0 ** 16)}

@@ -13,6 +13,7 @@ over their time, best of --repeats.
 """
 
 import torch
+from common import benchmark_parser, machine_line
 
 from megalite.config import ModelConfig
 from megalite.device import current_device, init_distributed
@@ -21,8 +22,6 @@ from megalite.inference.generation import GenerationStats
 from megalite.models import GPTModel
 from megalite.models.spec import TransformerSpec
 from megalite.mpu import initialize_model_parallel
-
-from common import benchmark_parser, machine_line
 
 
 def configs(args) -> dict[str, ModelConfig]:

@@ -23,6 +23,7 @@ import argparse
 import statistics
 
 import torch
+from common import benchmark_parser, machine_line, median_seconds, timed, turn_order
 
 from megalite.hf.moe import deepseek_moe_block_state, moe_config, moe_to_megalite
 from megalite.models import GPTModel
@@ -30,8 +31,6 @@ from megalite.models.sharding import full_state_dict, load_full_state_dict
 from megalite.moe import MoELayer
 from megalite.moe.dispatcher import combine, dispatch, plan_dispatch
 from megalite.moe.router import load_balancing_loss, z_loss
-
-from common import benchmark_parser, machine_line, median_seconds, timed, turn_order
 
 
 def parse_args() -> argparse.Namespace:

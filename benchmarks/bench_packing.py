@@ -22,16 +22,15 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from common import benchmark_parser, machine_line
 
-import pretrain_gpt
 from megalite.config import ModelConfig
 from megalite.data.packed import pack_examples, pad_examples, token_weighted_batches
 from megalite.distributed.rank_pool import run_once
 from megalite.models import GPTModel
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.mpu.document_mask import DocumentMask
-
-from common import benchmark_parser, machine_line
+from megalite.tasks import gpt as pretrain_gpt
 
 VOCAB = 1000
 

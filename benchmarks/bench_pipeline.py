@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from common import benchmark_parser, machine_line
 from torch import nn
 from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
-import pretrain_gpt
 from megalite.config import ModelConfig
 from megalite.device import current_device, free_port, init_distributed
 from megalite.distributed.finalize import sync_shared_embedding
@@ -44,8 +44,7 @@ from megalite.schedules import SCHEDULE_KINDS, get_forward_backward_func
 from megalite.schedules.accounting import bubble_fraction, schedule_bubble
 from megalite.schedules.executor import observe_computes
 from megalite.schedules.instructions import Instruction, Kind
-
-from common import benchmark_parser, machine_line
+from megalite.tasks import gpt as pretrain_gpt
 
 P = 4
 LAYOUTS = {"loop, v=1": (None, False), "loop, v=2": (2, False), "V, v=2": (2, True)}

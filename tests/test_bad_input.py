@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import pretrain_gpt
+from megalite.tasks import gpt as pretrain_gpt
 from megalite.config import parse_configs
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.optimizer.kinds import apex_fused_adam

@@ -5,8 +5,7 @@ import shutil
 
 import pytest
 
-from megalite.config import COLUMNS
-from megalite.data.finetune import encode_pairs, load_tokenizer, read_pairs
+from megalite.data.finetune import COLUMNS, encode_pairs, load_tokenizer, read_pairs
 from megalite.data.finetune_builtin import builtin_pair_task
 from megalite.hf.bert import read_bert_dir
 from tests.test_bert_hf_parity import minilm_dir

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import pretrain_gpt
+from megalite.tasks import gpt as pretrain_gpt
 from megalite import checkpoint
 from megalite.checkpoint.metadata import RESUMABLE_MODEL_FIELDS
 from megalite.config import ModelConfig

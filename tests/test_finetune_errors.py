@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-import finetune_bert
+from megalite.tasks import bert as finetune_bert
 from tests.test_finetune_run import task_args, tiny_model_dir, write_task
 
 

@@ -64,7 +64,7 @@ def _reference(model_dir: str, valid: str) -> float:
 
 
 def _finetune(argv: list[str]) -> list[float]:
-    import finetune_gpt
+    from megalite.tasks import sft as finetune_gpt
     from megalite.training import train
     task = finetune_gpt.ChatFinetuning()
     train(finetune_gpt.parse(argv), task)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import finetune_bert
-import pretrain_gpt
+from megalite.tasks import bert as finetune_bert
+from megalite.tasks import gpt as pretrain_gpt
 from megalite import checkpoint
 from tests.helpers.multirank import run_on_ranks
 from tests.test_finetune_run import task_args, write_task_dir

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-import finetune_bert
+from megalite.tasks import bert as finetune_bert
 from megalite import checkpoint
 from megalite.config import ModelConfig, parse_configs
 from megalite.models.bert import BertModel

@@ -9,7 +9,7 @@ import typing
 
 import pytest
 
-import pretrain_gpt
+from megalite.tasks import gpt as pretrain_gpt
 from megalite.config import Configs, OptimizerConfig, parse_configs
 from tests.helpers.gpt_run import make_dataset, tiny_args, train
 from tests.helpers.multirank import run_on_ranks

@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import pretrain_gpt
+from megalite.tasks import gpt as pretrain_gpt
 from megalite.config import parse_configs
 from megalite.device import current_device
 from megalite.models import GPTModel

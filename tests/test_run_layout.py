@@ -4,7 +4,7 @@ process group exists."""
 import pytest
 import torch.distributed as dist
 
-import pretrain_gpt
+from megalite.tasks import gpt as pretrain_gpt
 
 MOE = ["--num-experts", "4", "--num-layers", "2"]
 CASES = [  # (world size, flags, the line's expected start)

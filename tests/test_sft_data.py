@@ -7,6 +7,7 @@ import json
 import pytest
 
 from megalite.data.chat_data import encode_conversation, encode_conversations, read_conversations
+from megalite.data.chat_template import render_chat
 from megalite.data.tokenizers import HFTokenizer
 from tests.test_chat_template import TEMPLATE, _tokenizer_dir
 
@@ -60,3 +61,22 @@ def test_bad_records_are_one_line_with_file_and_line(tmp_path, line, message):
         read_conversations(str(path))
     assert str(error.value).startswith(f"{path}{message}"), error.value
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("all_tokens", [True, False])
+def test_logged_loss_tokens_are_the_label_positions(tokenizer, all_tokens):
+    """The count the run logs: label positions (shifted labels != -100 as transformers builds
+    them), so a conversation's first token, which is no label, is not counted."""
+    conversations = [[USER, ANSWER], [USER, ANSWER, USER, ANSWER]]
+    data = encode_conversations(tokenizer, conversations, max_tokens=64,
+                                loss_on_all_tokens=all_tokens)
+    labels = 0
+    for messages in conversations:
+        ids = tokenizer.tokenize(render_chat(tokenizer, messages, add_generation_prompt=False))
+        words = tokenizer.detokenize(ids).split()  # one token per word in this tokenizer
+        assistant = [word in ("be", "brief") or (word == "<|eot|>" and words[i - 1] == "brief")
+                     for i, word in enumerate(words)]
+        labels += sum(all_tokens or assistant[i] for i in range(1, len(ids)))
+    assert labels == ((9 - 1) + (18 - 1) if all_tokens else 3 + 6)
+    assert data.loss_tokens == labels
+    assert f"{labels} loss tokens" in data.describe("training set")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pretrain_gpt
+from megalite.tasks import gpt as pretrain_gpt
 from megalite import checkpoint
 from megalite.data import builtin_corpus as bc
 from megalite.data.tokenizers import build_tokenizer

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-import finetune_bert
-import pretrain_gpt
+from megalite.tasks import bert as finetune_bert
+from megalite.tasks import gpt as pretrain_gpt
 from megalite.training.checks import check_writable_dir
 from tests.helpers.gpt_run import make_dataset, tiny_args
 from tools import preprocess_data

@@ -31,9 +31,9 @@ from collections import Counter
 import torch
 from torch.distributed.tensor import DTensor
 
-from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
-                             OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig,
-                             build_parser, config_from_args)
+from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig, OptimizerConfig,
+                             ParallelConfig, PrecisionConfig, TrainConfig, build_parser,
+                             config_from_args)
 from megalite.distributed.rank_pool import run_once
 from megalite.planning.activations import ACTIVATION_BYTES, ring_wire
 from megalite.planning.measured import fsdp_buffers, model_state_bytes
@@ -226,12 +226,12 @@ class LiveSavedBytes:
 def measure_rank(argv: list[str]) -> dict:
     """On every rank of a fresh process group: two real training steps of the configs in
     `argv`; the model state and the peak of saved-for-backward bytes in the second."""
-    import pretrain_gpt
-    from megalite.training.loop import train_step
-    from megalite.training.setup import build_model, setup_parallel
     from megalite.layout import RunLayout
     from megalite.mpu import parallel_state as ps
     from megalite.optimizer import get_optimizer
+    from megalite.tasks import gpt as pretrain_gpt
+    from megalite.training.loop import train_step
+    from megalite.training.setup import build_model, setup_parallel
     configs, _ = parse(argv)
     layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
     setup_parallel(configs, layout)

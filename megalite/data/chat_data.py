@@ -34,10 +34,16 @@ class ChatExamples:
     truncated: int = 0
     dropped: int = 0
 
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens that carry loss: flagged tokens after each example's first (a token is a
+        label of the one before it; the first token of a conversation is no label)."""
+        return sum(int(flags[1:].sum()) for _, flags in self.examples)
+
     def describe(self, name: str) -> str:
         return (f"{name}: {self.conversations} conversations -> {len(self.examples)} examples, "
-                f"{sum(int(flags.sum()) for _, flags in self.examples)} loss tokens "
-                f"({self.truncated} truncated, {self.dropped} dropped)")
+                f"{self.loss_tokens} loss tokens ({self.truncated} truncated, "
+                f"{self.dropped} dropped)")
 
 
 def conversation(record, where: str) -> list[dict]:

@@ -1,7 +1,7 @@
 """Sentence-pair classification data for BERT finetuning: read, WordPiece-encode, serve.
 
 Examples come from a local JSONL / CSV / TSV file with configurable column names
-(megalite.config.COLUMNS: `sentence1`, `sentence2`, `label` by default, MNLI's `premise` /
+(COLUMNS: `sentence1`, `sentence2`, `label` by default, MNLI's `premise` /
 `hypothesis`), or from a `datasets` hub name (`name` or `name:config`) when online.
 Encoding uses the pretrained model's own tokenizer (`BertTokenizerFast.from_pretrained`):
 [CLS] A [SEP] B [SEP], token type 0 for A (with [CLS] and the first [SEP]), 1 for B,
@@ -16,6 +16,9 @@ from dataclasses import dataclass
 import torch
 
 _VOCAB_FILES = ("tokenizer.json", "vocab.txt")
+# --columns presets: (first sentence, second sentence, label) column names.
+COLUMNS = {"default": ("sentence1", "sentence2", "label"),
+           "mnli": ("premise", "hypothesis", "label")}
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The splits of a classification finetuning task as `FinetuneConfig` names them: local files
+"""The splits of a classification finetuning task as its config section names them (the
+`finetune` section, megalite.tasks.bert.FinetuneConfig): local files
 or `datasets` hub splits with their columns, or the built-in next-sentence task; and the
 padding that makes the evaluation set whole global batches. Bad input: one-line ValueError.
 """
@@ -6,8 +7,7 @@ import os
 
 import torch
 
-from megalite.config import COLUMNS, FinetuneConfig
-from megalite.data.finetune import PairExamples, read_pairs
+from megalite.data.finetune import COLUMNS, PairExamples, read_pairs
 from megalite.data.finetune_builtin import builtin_pair_task
 
 
@@ -27,8 +27,9 @@ def _read(source: str, split: str, **columns) -> PairExamples:
     return examples
 
 
-def read_examples(ft: FinetuneConfig, seed: int) -> tuple[PairExamples, PairExamples]:
-    """(train, validation) examples: the configured files / hub splits, or the built-in task."""
+def read_examples(ft, seed: int) -> tuple[PairExamples, PairExamples]:
+    """(train, validation) examples of the `finetune` section `ft`: the configured files / hub
+    splits, or the built-in task."""
     if ft.train_data is None:
         if ft.valid_data:
             raise ValueError("--valid-data needs --train-data (the built-in task holds out "

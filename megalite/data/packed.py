@@ -14,7 +14,7 @@ the mean over every loss-bearing token of the global batch.
 
 Batch fields (all optional but "tokens"): tokens [b, s + 1]; position_ids, document_ids,
 loss_mask [b, s] (for the inputs tokens[:, :-1] and the labels tokens[:, 1:]); a 0-d
-loss_denominator (see pretrain_gpt.forward_step).
+loss_denominator (see megalite.tasks.gpt.forward_step).
 """
 from collections.abc import Iterator, Sequence
 

@@ -30,14 +30,18 @@ def check_writable_dir(flag: str, path: str) -> None:
             from None
 
 
-def check_start(configs: Configs) -> None:
-    """Every output directory the flags name is writable, and --split leaves training
-    documents when there are steps to train (the data itself, even the built-in corpus,
-    need not exist yet)."""
-    t, ft = configs.train, configs.finetune
+class StartError(Exception):
+    """A run that cannot start (a bad flag, file or data): one line, the same on every rank.
+    The runner (megalite.tasks.runner) ends the process with it."""
+
+
+def check_start(configs: Configs, task_outputs: dict[str, str | None]) -> None:
+    """Every output directory the flags name (the task's `task_outputs` {flag: path}
+    included) is writable, and --split leaves training documents when there are steps to
+    train (the data itself, even the built-in corpus, need not exist yet)."""
+    t = configs.train
     outputs = {"--save": configs.checkpoint.save, "--tensorboard-dir": t.tensorboard_dir,
-               "--data-cache-dir": configs.data.data_cache_dir,
-               "--export-dir": ft.export_dir if ft else None}
+               "--data-cache-dir": configs.data.data_cache_dir, **task_outputs}
     for flag, path in outputs.items():
         if path:
             check_writable_dir(flag, path)

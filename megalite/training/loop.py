@@ -8,7 +8,6 @@ process group exists, so a bad flag ends every rank with one line instead of a h
 import functools
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ from megalite.mpu import parallel_state as ps
 from megalite.optimizer import get_optimizer
 from megalite.schedules.executor import forward_backward
 from megalite.training import checks
-from megalite.training.checks import check_before_start
+from megalite.training.checks import StartError, check_before_start
 from megalite.training.logger import TrainingLogger, log
 from megalite.training.resilience import ExitSignalHandler, SkipGuard, inject_faults
 from megalite.training.setup import build_model, log_model_state, log_pipeline, setup_parallel
@@ -140,13 +139,6 @@ def default_save_interval(train_iters: int) -> int:
 
 
 
-def _fail(error: Exception) -> None:
-    """End this rank with one line (every rank reaches the same line)."""
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-
 def train(configs: Configs, task: Task) -> TrainResult:
     """Train `task` for --train-iters steps; returns the chunks and the loss of every step.
 
@@ -154,16 +146,17 @@ def train(configs: Configs, task: Task) -> TrainResult:
     samples, the task's state). A step whose loss or grad norm is NaN/Inf on any rank is
     skipped on every rank; after --max-skipped-steps consecutive skips NonFiniteError stops
     the run (nothing saved). SIGTERM on any rank (--exit-signal-handler) ends every rank
-    after the same step, with a checkpoint when --save is given.
+    after the same step, with a checkpoint when --save is given. A run that cannot start (bad
+    flags, files or data) raises StartError with one line, the same on every rank.
     """
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     try:
-        checks.check_start(configs)  # before any work: outputs writable, --split trains
+        checks.check_start(configs, task.output_dirs(configs))  # outputs writable, --split
         task.check_inputs(configs, world)
         layout = RunLayout.from_configs(configs, world)
         check_before_start(configs, layout)
     except (ValueError, OSError) as error:
-        _fail(error)
+        raise StartError(str(error)) from None
     setup_parallel(configs, layout)
     ckpt = configs.checkpoint
     try:
@@ -178,7 +171,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
             if meta := checkpoint.read_meta(ckpt.load):
                 task.load_state_dict(meta.get("task", {}))
     except (ValueError, OSError) as error:  # the same files on every rank: the same line
-        _fail(error)
+        raise StartError(str(error)) from None
     log(checkpoint.describe_start(ckpt.load, iteration, configs.train.train_iters))
     if not ckpt.save:
         log("no --save: this run writes no checkpoint")

@@ -1,5 +1,5 @@
-"""Megatron's `pretrain(configs, model_provider, forward_step_func, datasets_provider)`: the
-provider functions as a Task.
+"""Megatron's `pretrain(configs, model_provider, forward_step_func, datasets_provider)`: a thin
+constructor of a `Task` from provider functions, passed to `train`.
 """
 from collections.abc import Callable, Iterator
 
@@ -9,6 +9,15 @@ from megalite.config import Configs
 from megalite.layout import RunLayout
 from megalite.training.loop import TrainResult, train
 from megalite.training.task import Task
+
+
+def pretrain_samples(configs: Configs, layout: RunLayout) -> tuple[int, int, int]:
+    """Samples (train, valid, test) a pretraining run reads: --train-iters global batches, and
+    --eval-iters global batches at every validation point."""
+    t = configs.train
+    evals = t.train_iters // t.eval_interval + 1 if t.eval_interval else 0
+    return (t.train_iters * layout.global_batch_size,
+            evals * t.eval_iters * layout.global_batch_size, 0)
 
 
 class PretrainTask(Task):
@@ -37,12 +46,7 @@ class PretrainTask(Task):
         return self._forward_step(data_iterator, model)
 
     def batches(self, configs: Configs, layout: RunLayout, consumed: int):
-        t = configs.train
-        evals = t.train_iters // t.eval_interval + 1 if t.eval_interval else 0
-        num_samples = (t.train_iters * layout.global_batch_size,
-                       evals * t.eval_iters * layout.global_batch_size, 0)
-        return self._datasets_provider(configs, num_samples, consumed)
-
+        return self._datasets_provider(configs, pretrain_samples(configs, layout), consumed)
 
 
 def pretrain(configs: Configs, model_provider: Callable, forward_step_func: Callable,

@@ -22,10 +22,14 @@ from megalite.training.logger import TrainingLogger, log
 
 
 class Task:
-    """What an entry script gives `train()`: model_provider, forward_step and batches are
-    required; the other hooks default to nothing."""
+    """What a task (megalite.tasks) gives `train()`: model_provider, forward_step and batches
+    are required; the other hooks default to nothing."""
 
     loss_key = "lm loss"  # the loss-dict entry averaged per step, logged and validated
+
+    def output_dirs(self, configs: Configs) -> dict[str, str | None]:
+        """{flag: directory} the task writes besides --save (checked writable at start)."""
+        return {}
 
     def check_inputs(self, configs: Configs, world_size: int) -> None:
         """Before any process group: read the inputs, fill derived configs; raise

@@ -45,13 +45,13 @@ def tiny_args(prefix: str, save: str, iters: int, *extra: str) -> list[str]:
 
 def train(argv: list[str]) -> dict[int, float]:
     """Run pretrain_gpt in this (already distributed) process; the loss of each iteration."""
-    import pretrain_gpt
+    from megalite.tasks import gpt as pretrain_gpt
     return pretrain_gpt.run(argv).losses
 
 
 def train_with_grad_norms(argv: list[str]) -> tuple[dict[int, float], dict[int, float | None]]:
     """Like `train`: the loss and the global gradient norm (before clipping) of each
     iteration."""
-    import pretrain_gpt
+    from megalite.tasks import gpt as pretrain_gpt
     result = pretrain_gpt.run(argv)
     return result.losses, result.grad_norms

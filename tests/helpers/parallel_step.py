@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-import pretrain_gpt
+from megalite.tasks import gpt as pretrain_gpt
 from megalite.config import ModelConfig
 from megalite.device import current_device
 from megalite.distributed import DistributedDataParallel

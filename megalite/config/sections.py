@@ -1,0 +1,169 @@
+"""The sections every training run has: parallel layout, precision, optimizer, training
+loop, data and checkpoints."""
+from dataclasses import dataclass
+
+import torch
+
+from megalite.config.fields import Section, arg
+from megalite.placement import INTERLEAVED, ONE_F_ONE_B, PIPELINE_SCHEDULES, ZB_H1, ZBV
+from megalite.sharding import NO_SHARD, OPTIM, STRATEGIES, STRATEGY_NAMES
+
+
+
+@dataclass
+class ParallelConfig(Section):
+    """How the world is split: TP x CP x DP x PP ranks (Megatron's tp-cp-dp-pp order)."""
+
+    tensor_model_parallel_size: int = arg(1, "tensor-parallel size", aliases=("--tp",))
+    pipeline_model_parallel_size: int = arg(1, "pipeline-parallel size", aliases=("--pp",))
+    data_parallel_size: int | None = arg(
+        None, "data-parallel size (default: world size / (TP x PP); checked if given)",
+        aliases=("--dp",))
+    virtual_pipeline_model_parallel_size: int | None = arg(
+        None, f"model chunks per pipeline rank (interleaved 1F1B; {ZBV}: 2 by default)",
+        aliases=("--vpp",))
+    pipeline_schedule: str = arg(
+        ONE_F_ONE_B, f"pipeline schedule when PP > 1 (with --vpp and {ONE_F_ONE_B}: "
+        f"{INTERLEAVED}; {ZB_H1} and {ZBV} split the backward into input and weight grads; "
+        f"{ZBV} runs 2 chunks per rank in V placement)", choices=PIPELINE_SCHEDULES)
+    distributed_timeout_minutes: float = arg(10.0, "bound on any collective wait", above=0.0)
+    sequence_parallel: bool = arg(False, "split norms, dropout and residual activations along "
+                                  "the sequence over TP (needs TP > 1)")
+    context_parallel_size: int = arg(1, "context-parallel size: each rank holds 2 load-balanced "
+                                     "chunks of every sequence, ring attention",
+                                     aliases=("--cp",))
+    expert_model_parallel_size: int = arg(
+        1, "expert-parallel size: experts split over this many DP ranks (must divide DP)",
+        aliases=("--ep",))
+
+
+@dataclass
+class PrecisionConfig(Section):
+    """Mixed precision: bf16/fp16 parameters with fp32 main copies in the optimizer."""
+
+    bf16: bool = arg(False, "bf16 parameters and activations, fp32 main params/grads")
+    fp16: bool = arg(False, "fp16 parameters with dynamic loss scaling")
+    loss_scale: float | None = arg(None, "static fp16 loss scale (default: dynamic)", above=0.0)
+    initial_loss_scale: float = arg(2.0 ** 32, "initial dynamic loss scale", above=0.0)
+    min_loss_scale: float = arg(1.0, "dynamic loss scale floor", above=0.0)
+    loss_scale_window: int = arg(1000, "clean steps before the scale doubles", min=1)
+    hysteresis: int = arg(2, "overflowing steps tolerated before the scale halves", min=1)
+    tf32: bool = arg(False, "TF32 tensor cores for fp32 matmuls on CUDA (faster, ~1e-3 "
+                            "relative error; off: IEEE fp32)")
+    deterministic_mode: bool = arg(False, "deterministic CUDA kernels where torch has them: "
+                                          "bitwise-repeatable runs, slower")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are mutually exclusive")
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+
+@dataclass
+class OptimizerConfig(Section):
+    """Optimizer, learning-rate schedule, clipping and the data-parallel gradient buffer."""
+
+    optimizer: str = arg("adam", "an OptimizerKind of megalite/optimizer/kinds.py, by name "
+                         "(adam: AdamW, decoupled weight decay)")
+    lr: float = arg(6e-4, "peak learning rate", min=0.0)
+    min_lr: float = arg(0.0, "learning rate at the end of decay (at most --lr)", min=0.0)
+    lr_decay_style: str = arg("cosine", "decay after warm-up",
+                              choices=("cosine", "linear", "constant"))
+    lr_warmup_iters: int = arg(0, "linear warm-up iterations", min=0)
+    lr_decay_iters: int | None = arg(None, "decay iterations (default: train-iters)", min=1)
+    weight_decay: float = arg(0.01, "AdamW weight decay (never on biases and norms)", min=0.0)
+    adam_beta1: float = arg(0.9, "Adam beta1", min=0.0, below=1.0)
+    adam_beta2: float = arg(0.95, "Adam beta2", min=0.0, below=1.0)
+    adam_eps: float = arg(1e-8, "Adam epsilon", above=0.0)
+    sgd_momentum: float = arg(0.9, "SGD momentum", min=0.0)
+    clip_grad: float = arg(1.0, "clip the global grad L2 norm to this (0: off)", min=0.0)
+    use_distributed_optimizer: bool = arg(
+        False, "shard optimizer state over DP (ZeRO-1): --data-parallel-sharding-strategy optim")
+    data_parallel_sharding_strategy: str | None = arg(
+        None, "what data parallelism shards over DP x CP: "
+        + ", ".join(f"{s.name} ({s.summary})" for s in STRATEGIES)
+        + f" (default: {OPTIM.name} with --use-distributed-optimizer, else {NO_SHARD.name})",
+        choices=STRATEGY_NAMES)
+    optimizer_cpu_offload: bool = arg(
+        False, "fp32 master params and optimizer state in host memory, stepped there (needs a "
+        "sharded strategy; with optim_grads_params the sharded params too)")
+    ddp_bucket_size: int = arg(40_000_000, "elements per DP gradient all-reduce bucket", min=1)
+    overlap_grad_reduce: bool = arg(True, "start bucket reductions during backward",
+                                    negatable=True)
+
+    @property
+    def sharding(self) -> str:
+        """The data-parallel sharding strategy (--use-distributed-optimizer: optim)."""
+        return self.data_parallel_sharding_strategy or (
+            OPTIM.name if self.use_distributed_optimizer else NO_SHARD.name)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr ({self.min_lr}) must be <= --lr ({self.lr}): the "
+                             f"learning rate would climb as it decays")
+
+
+@dataclass
+class TrainConfig(Section):
+    """Batch sizes, iterations, evaluation and logging."""
+
+    micro_batch_size: int = arg(4, "sequences per microbatch per DP rank", min=1)
+    global_batch_size: int | None = arg(
+        None, "sequences per step (default: micro x DP); micro x DP x microbatches", min=1)
+    seq_length: int = arg(256, "tokens per sequence", min=1)
+    train_iters: int = arg(200, "optimizer steps", min=0)
+    exit_interval: int | None = arg(None, "stop (after saving, with --save) once the iteration "
+                                    "is a multiple of this; resume later with --load", min=1)
+    eval_interval: int = arg(100, "evaluate every N steps", min=0)
+    eval_iters: int = arg(10, "microbatch-steps per evaluation", min=0)
+    log_interval: int = arg(10, "log every N steps", min=1)
+    seed: int = arg(1234, "random seed")
+    tensorboard_dir: str | None = arg(None, "write every logged field as TensorBoard scalars "
+                                      "here (needs the optional tensorboard package)")
+    max_skipped_steps: int = arg(5, "stop with an error after this many consecutive steps "
+                                 "skipped for a non-finite loss or grad norm (fp16: counted "
+                                 "once the loss scale is at its minimum)", min=1)
+    exit_signal_handler: bool = arg(True, "on SIGTERM/SIGINT (any rank) finish the step, save "
+                                    "(with --save) and exit 0", negatable=True)
+    wandb_project: str | None = arg(None, "log every field to this Weights & Biases project "
+                                    "(needs the optional wandb package; WANDB_MODE=offline "
+                                    "works without network)")
+
+
+@dataclass
+class DataConfig(Section):
+    """Training data: Megatron .bin/.idx prefixes, blended by weight."""
+
+    data_path: list[str] = arg(list, "prefix, or w1 prefix1 w2 prefix2 ... "
+                               "(default: the built-in corpus)", nargs="*")
+    split: str = arg("969,30,1", "train,valid,test document ratios")
+    tokenizer: str | None = arg(None, "sentencepiece .model, Hugging Face tokenizer directory "
+                                "or .gguf (default with --load: the checkpoint's)")
+    data_cache_dir: str | None = arg(None, "where sample indices are cached (default: beside data)")
+    num_workers: int | None = arg(None, "processes that build the batches (0: the training "
+                                        "process; default 1 on CUDA, 0 on the CPU)", min=0)
+    reset_position_ids: bool = arg(False, "positions restart after each end-of-document token")
+    reset_attention_mask: bool = arg(False, "no attention across end-of-document tokens "
+                                            "(each packed document attends to itself)")
+    eod_mask_loss: bool = arg(False, "no loss on the prediction made at an end-of-document "
+                                     "token (the next document's first token)")
+
+
+@dataclass
+class CheckpointConfig(Section):
+    """Saving and resuming."""
+
+    save: str | None = arg(None, "checkpoint directory to write")
+    load: str | None = arg(None, "checkpoint directory to resume from")
+    save_interval: int | None = arg(None, "save every N steps and at the end (default with "
+                                    "--save: a tenth of --train-iters, between 10 and 1000)", min=1)
+    keep_latest_checkpoints: int | None = arg(
+        None, "after each save keep only the newest N iterations in --save (default: all)", min=1)
+    async_save: bool = arg(False, "write checkpoints from a host copy in a background thread "
+                           "while training goes on; published when the next save, the end of "
+                           "the run or a SIGTERM save waits for it")
