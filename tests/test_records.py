@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import pretrain_gpt
 from megalite import sharding
 from megalite.config import OptimizerConfig, build_parser, parse_configs
 from megalite.device import current_device
@@ -25,9 +24,10 @@ from megalite.models import GPTModel
 from megalite.optimizer import get_optimizer, kinds
 from megalite.planning.planner import plan
 from megalite.planning.state_bytes import state_bytes_per_param
+from megalite.tasks import gpt as pretrain_gpt
 from megalite.training.setup import build_model
 from tests.helpers.dp_reference import (CONFIG, Reference, batches, compute_grads, full_params,
-                                init_grid, local_slice, max_rel_err, opt_config)
+                                        init_grid, local_slice, max_rel_err, opt_config)
 from tests.helpers.multirank import run_on_ranks
 from tests.test_imports import imports
 
