@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megalite.device import current_device
-from megalite.hf import llama_config, load_llama, megalite_to_llama
+from megalite.hf import llama_config, load_hf, megalite_to_llama
 from megalite.models import GPTModel
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
@@ -46,7 +46,7 @@ def _compare(tp: int, case: str) -> dict:
     hf = tiny_llama(**CASES[case])
     config = llama_config(hf.config)
     model = GPTModel(config, device=current_device())
-    load_llama(model, hf.state_dict())
+    load_hf(model, hf.state_dict())
     tokens = torch.randint(0, VOCAB, (3, SEQ + 1),
                            generator=torch.Generator().manual_seed(1)).to(current_device())
     return hf_parity_errors(model, hf, lambda state: megalite_to_llama(state, config), tokens,
