@@ -55,8 +55,12 @@ def family_of_source(path: str, flag: str = "--input",
 
 
 def family_of_config(config: ModelConfig) -> str:
-    """The family a megalite model config exports as (the first whose `exports` accepts it)."""
-    return next(name for name, family in FAMILIES.items() if family.exports(config))
+    """The family a megalite model config exports as (the first whose `exports` accepts it);
+    ValueError if none does."""
+    name = next((name for name, family in FAMILIES.items() if family.exports(config)), None)
+    if name is None:
+        raise ValueError("no transformers family exports this model config")
+    return name
 
 
 def read_source(src: str, flag: str, families: tuple[str, ...] = tuple(FAMILIES),
