@@ -31,9 +31,10 @@ class Family:
     `from_hf` / `to_hf`: config conversion without the token ids (the methods add them);
     `state_from_hf(hf_state, config)` / `state_to_hf(state, config)`: full state dicts;
     `exports(config)`: whether a megalite config is of this family (checked in the registry's
-    order); `read` / `write`: a directory (or file) <-> (config, full megalite state), by
-    default through `hf_class`; `optional_prefixes`: megalite weights a source may lack
-    (heads); `generates`: a causal LM that generation can load.
+    order); `gguf_architectures`: the GGUF `general.architecture`s its reader takes;
+    `reader` / `writer`: replace the default `read` / `write` (a directory through
+    `hf_class`) where the family needs more; `optional_prefixes`: megalite weights a source
+    may lack (heads); `generates`: a causal LM that generation can load.
     """
 
     name: str
@@ -91,6 +92,7 @@ class Family:
                 shutil.copy(os.path.join(tokenizer_dir, name), directory)
 
     def transformers_class(self):
+        """The transformers class named `hf_class`."""
         import transformers
         return getattr(transformers, self.hf_class)
 
