@@ -4,8 +4,8 @@ per-head q/k norms), same random weights.
 fp32 (megalite on the rank's device, transformers on the CPU): MHA (fused QKV), GQA with 2
 groups (split at TP 2, replicated at TP 4), MQA (one group replicated on every rank), a head
 dim other than hidden/heads, Llama-3 RoPE scaling, Qwen3's q/k norms (GQA, head dim 12,
-their weights replicated over TP and their grads summed over it), tied and untied heads, odd vocabulary
-(203) and odd sequence length (13): logits within 1e-5, loss within 1e-5 relative, every
+their weights replicated over TP and their grads summed over it), tied and untied heads, odd
+vocabulary (203) and odd sequence length (13): logits within 1e-5, loss within 1e-5 relative, every
 gradient (gathered over TP) within 1e-4 relative, then three AdamW steps on both and the
 losses still within 1e-5 relative. Also: one-line errors for configs megalite cannot
 express, before any collective.

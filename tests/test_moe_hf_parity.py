@@ -24,7 +24,8 @@ from tests.multirank import run_on_ranks
 from tests.reference import hf_token_loss, random_hf_model, rel_err
 
 VOCAB, SEQ, BATCH = 203, 10, 8
-LAYOUTS = {1: [(1, 1, 1)], 4: [(2, 1, 2), (1, 2, 2)], 8: [(1, 1, 4)]}  # world size -> [(tp, pp, ep)]
+# world size -> [(tp, pp, ep)]
+LAYOUTS = {1: [(1, 1, 1)], 4: [(2, 1, 2), (1, 2, 2)], 8: [(1, 1, 4)]}
 
 
 def tiny_moe(family: str, seed: int = 0, **overrides):

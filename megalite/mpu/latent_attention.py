@@ -65,7 +65,8 @@ class ParallelLatentAttention(nn.Module):
         self.q_lora_rank = q_lora_rank
         if q_lora_rank:
             self.linear_q_down_proj = ColumnParallelLinear(hidden_size, q_lora_rank, **replicated)
-            self.q_layernorm = replicated_norm("RMSNorm", q_lora_rank, norm_epsilon, params_dtype, device, tp)
+            self.q_layernorm = replicated_norm("RMSNorm", q_lora_rank, norm_epsilon,
+                                               params_dtype, device, tp)
             self.linear_q_up_proj = ColumnParallelLinear(q_lora_rank, q_dim,
                                                          disable_grad_reduce=True, **kw)
         else:
@@ -73,7 +74,8 @@ class ParallelLatentAttention(nn.Module):
                                                       sequence_parallel=sequence_parallel, **kw)
         self.linear_kv_down_proj = ColumnParallelLinear(
             hidden_size, kv_lora_rank + qk_pos_emb_head_dim, **replicated)
-        self.kv_layernorm = replicated_norm("RMSNorm", kv_lora_rank, norm_epsilon, params_dtype, device, tp)
+        self.kv_layernorm = replicated_norm("RMSNorm", kv_lora_rank, norm_epsilon, params_dtype,
+                                            device, tp)
         self.linear_kv_up_proj = ColumnParallelLinear(
             kv_lora_rank, num_attention_heads * (qk_head_dim + v_head_dim),
             disable_grad_reduce=True, **kw)
