@@ -19,7 +19,7 @@ rope, SwiGLU, 2 KV groups, head tied to the embedding, no dropout). Prints three
 3. megalite ZeRO-3 against transformers `LlamaForCausalLM` with `fully_shard` on each
    decoder layer and the root, which holds the tied embedding and head (torchtitan's
    recipe; megalite wraps the same units) at DP 2:
-   the same weights (megalite.hf.load_llama), the same batch on each DP rank, AdamW with the
+   the same weights (megalite.hf.load_hf), the same batch on each DP rank, AdamW with the
    same settings (no weight decay, no clipping, constant lr), steps interleaved (each one
    first every other step); the loss of each step (mean over DP) and the median step time
    of each, their ratio.
@@ -102,7 +102,7 @@ def hf_versus_megalite(argv: list[str], steps: int) -> dict:
 
     from megalite import device
     from megalite.config import parse_configs
-    from megalite.hf.llama import load_llama, to_llama_config
+    from megalite.hf import load_hf, to_llama_config
     from megalite.models import GPTModel
     from megalite.mpu import comm
     from megalite.mpu import parallel_state as ps
@@ -113,7 +113,7 @@ def hf_versus_megalite(argv: list[str], steps: int) -> dict:
     def provider(pre_process: bool, post_process: bool):
         model = GPTModel(model_config, pre_process=pre_process, post_process=post_process,
                          device=device.current_device())
-        load_llama(model, hf.state_dict(), model_config)
+        load_hf(model, hf.state_dict(), model_config)
         return model
     configs, layout, model, optimizer = _setup(argv, provider)
     group = ps.get_data_parallel_group(with_context_parallel=True)

@@ -8,7 +8,7 @@
         --device cuda                          # GPT-2 medium (~350M) on a GPU
 
 Both models have the same config and the same random weights (the HF model is built from
-a GPT2Config / LlamaConfig, `load_gpt2` / `load_llama` copies its state dict into megalite;
+a GPT2Config / LlamaConfig, `megalite.hf.load_hf` copies its state dict into megalite;
 nothing is downloaded) and
 train on the same batch with the same optimizer: AdamW (torch fused kernel), lr 1e-4,
 weight decay 0.01 except biases and norms, global grad-norm clipping at 1.0, dropout off.
@@ -46,7 +46,7 @@ from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
                              ParallelConfig, PrecisionConfig, TrainConfig)
 from megalite.device import init_distributed, reduced_precision_warning
 from megalite.distributed import DistributedDataParallel
-from megalite.hf import load_gpt2, load_llama, to_gpt2_config, to_llama_config
+from megalite.hf import load_hf, to_gpt2_config, to_llama_config
 from megalite.layout import RunLayout
 from megalite.models import GPTModel, TransformerSpec
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
@@ -175,8 +175,8 @@ def _hf_llama(config: ModelConfig):
 # family -> (HF model from a megalite config, loader of an HF state dict into megalite,
 #            the family's flags over the shared shape)
 FAMILIES = {
-    "gpt2": (_hf_gpt2, load_gpt2, {}),
-    "llama": (_hf_llama, load_llama, dict(
+    "gpt2": (_hf_gpt2, load_hf, {}),
+    "llama": (_hf_llama, load_hf, dict(
         normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
         group_query_attention=True, disable_bias_linear=True,
         untie_embeddings_and_output_weights=True)),

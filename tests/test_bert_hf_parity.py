@@ -14,7 +14,8 @@ import torch
 
 from megalite.device import current_device
 from megalite.distributed.finalize import allreduce_shared_embedding_grads
-from megalite.hf.bert import bert_config, bert_to_megalite, load_bert, read_bert_dir
+from megalite.hf import load_hf
+from megalite.hf.bert import bert_config, bert_to_megalite, read_bert_dir
 from megalite.models.bert import BertModel
 from megalite.models.sharding import full_state_dict, gather_pipeline_state_dict
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
@@ -119,7 +120,7 @@ def _compare(hf, ref: dict, batch: dict, head: str, tp: int, pp: int) -> dict:
     model = BertModel(config, head=head, num_labels=NUM_LABELS,
                       pre_process=ps.is_pipeline_first_stage(),
                       post_process=ps.is_pipeline_last_stage(), device=current_device()).eval()
-    load_bert(model, hf.state_dict())
+    load_hf(model, hf.state_dict())
     batch = {name: tensor.to(current_device()) for name, tensor in batch.items()}
     errors = {}
     logits = _run_pipeline(model, batch, config.hidden_size, backward=False)

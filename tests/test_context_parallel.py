@@ -13,7 +13,7 @@ import pytest
 
 from megalite.config import parse_configs
 from megalite.hf import (gpt2_config, gpt2_to_megalite, llama_config, llama_to_megalite,
-                         load_gpt2, load_llama)
+                         load_hf)
 from megalite.mpu import comm
 from megalite.mpu.parallel_state import GridLayout
 from megalite.layout import RunLayout, check_sequence_split
@@ -50,8 +50,8 @@ def _models() -> dict:
     llama = tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                        num_hidden_layers=4, num_key_value_heads=2)
     gpt2_cfg, llama_cfg = gpt2_config(gpt2.config), llama_config(llama.config)
-    return {"gpt2": (gpt2, gpt2_cfg, load_gpt2, lambda g: gpt2_to_megalite(g, gpt2_cfg)),
-            "llama": (llama, llama_cfg, load_llama, lambda g: llama_to_megalite(g, llama_cfg))}
+    return {"gpt2": (gpt2, gpt2_cfg, load_hf, lambda g: gpt2_to_megalite(g, gpt2_cfg)),
+            "llama": (llama, llama_cfg, load_hf, lambda g: llama_to_megalite(g, llama_cfg))}
 
 
 def _all() -> dict:

@@ -1,7 +1,9 @@
 """tools/convert_checkpoint.py cannot silently make the wrong model: the family is read from
 the input (config.json's model_type, the GGUF's architecture, the checkpoint's config), a
 --model-type that disagrees, a missing or unused weight, and a --target-tp/--target-pp the
-model cannot be split into are one error line each. A GGUF file is parsed once per load."""
+model cannot be split into are one error line each. A GGUF file is parsed once per load.
+Every family's export keeps the source's special-token ids, and the converter and
+generation's --hf reader find the family from config.json alone."""
 import json
 import os
 
@@ -10,9 +12,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megalite import checkpoint
+from megalite.hf import FAMILIES, family_of_config
 from megalite.hf.gguf import unpermute_rotary
+from megalite.inference.loading import read_hf
 from tests.helpers.multirank import run_on_ranks
 from tests.helpers.reference import tiny_gpt2
+from tests.test_bert_hf_parity import tiny_bert
+from tests.test_hf_roundtrip_multinode import _tiny_hf
 from tests.test_llama_hf_parity import tiny_llama
 from tools import convert_checkpoint
 
@@ -115,6 +121,37 @@ def test_llama_directory_without_model_type_round_trips(llama_dirs, tmp_path):
             tmp_path / "back")
     back = LlamaForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
     assert torch.equal(logits(back.eval()), logits(hf))
+
+
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_is_found_and_keeps_its_token_ids(family, tmp_path):
+    """transformers -> megalite -> transformers with no --model-type: the family comes from
+    config.json, the export's bos/eos/pad ids are the source's (an eos list for Llama), and
+    the --hf reader of generation reads the same family and ids."""
+    hf = tiny_bert("classification") if family == "bert" else _tiny_hf(family)
+    ids = dict(bos_token_id=5, eos_token_id=[6, 7] if family == "llama" else 6, pad_token_id=0)
+    for target in (hf.config, getattr(hf, "generation_config", None)):
+        for name, value in ids.items() if target is not None else ():
+            setattr(target, name, value)
+    hf.save_pretrained(tmp_path / "hf")
+    convert("--direction", "hf-to-megalite", "--input", tmp_path / "hf", "--output",
+            tmp_path / "ml")
+    meta = checkpoint.read_meta(str(tmp_path / "ml"))["model_config"]
+    assert {name: meta[name] for name in TOKEN_IDS} == ids
+    convert("--direction", "megalite-to-hf", "--input", tmp_path / "ml", "--output",
+            tmp_path / "back")
+    back = json.load(open(tmp_path / "back" / "config.json"))
+    source = json.load(open(tmp_path / "hf" / "config.json"))
+    assert back["model_type"] == source["model_type"]
+    assert {name: back.get(name) for name in TOKEN_IDS} == \
+        {name: source.get(name) for name in TOKEN_IDS} == ids
+    if FAMILIES[family].generates:
+        config, _ = read_hf(str(tmp_path / "hf"))
+        assert family_of_config(config) == family
+        assert {name: getattr(config, name) for name in TOKEN_IDS} == ids
 
 
 @pytest.mark.parametrize("model,layout,expected", [

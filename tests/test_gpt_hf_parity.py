@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megalite.device import current_device
-from megalite.hf import gpt2_config, load_gpt2, megalite_to_gpt2
+from megalite.hf import gpt2_config, load_hf, megalite_to_gpt2
 from megalite.models import GPTModel
 from megalite.mpu import initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
@@ -25,7 +25,7 @@ def _compare(tp: int) -> dict:
     hf = tiny_gpt2(vocab=VOCAB)
     config = gpt2_config(hf.config)
     model = GPTModel(config, device=current_device())
-    load_gpt2(model, hf.state_dict())
+    load_hf(model, hf.state_dict())
     torch.manual_seed(1)
     tokens = torch.randint(0, VOCAB, (3, SEQ + 1)).to(current_device())
     return hf_parity_errors(model, hf, lambda state: megalite_to_gpt2(state, config), tokens,

@@ -51,8 +51,8 @@ def _load_and_save_sharded(src: str, dst: str, layout: list[str]) -> None:
 def _tiny_hf(model_type: str):
     if model_type == "gpt":
         return tiny_gpt2(vocab=203, layers=4)
-    if model_type == "llama":  # GQA with 2 groups, untied head
-        return tiny_llama(num_hidden_layers=4, num_key_value_heads=2)
+    if model_type in ("llama", "qwen3"):  # GQA with 2 groups, untied head (Qwen3: q/k norms)
+        return tiny_llama(num_hidden_layers=4, num_key_value_heads=2, family=model_type)
     if model_type == "deepseek_v3":  # MLA, 2 dense + 2 MoE layers, interleaved RoPE rows
         return tiny_deepseek_v3(vocab_size=203)
     return tiny_moe(model_type, num_hidden_layers=4)  # 8 experts: 4 per EP rank
@@ -61,20 +61,24 @@ def _tiny_hf(model_type: str):
 @pytest.mark.parametrize("model_type,layout", [
     ("gpt", ["--tp", "2", "--pp", "2"]), ("llama", ["--tp", "2", "--pp", "2"]),
     ("mixtral", ["--ep", "2", "--pp", "2"]), ("qwen2_moe", ["--ep", "2", "--pp", "2"]),
-    ("deepseek_v3", ["--tp", "2", "--pp", "2"])])
+    ("deepseek_v3", ["--tp", "2", "--pp", "2"]), ("qwen3", ["--tp", "2", "--pp", "2"]),
+    ("qwen3_moe", ["--tp", "2", "--pp", "2", "--ep", "2", "--sequence-parallel"])])
 def test_hf_to_megalite_sharded_to_hf_gives_identical_logits(tmp_path, model_type, layout):
-    """HF -> megalite (TP2 x PP2, or EP2 x PP2 for MoE) -> HF: bit-identical logits."""
+    """HF -> megalite (TP2 x PP2, EP2 x PP2 for MoE, TP2 x PP2 x EP2 for Qwen3-MoE on 8
+    ranks) -> HF: bit-identical logits."""
     from transformers import AutoModelForCausalLM
     hf = _tiny_hf(model_type).eval()
     hf.save_pretrained(tmp_path / "hf")
     convert("--direction", "hf-to-megalite", "--model-type", model_type, "--input",
             str(tmp_path / "hf"), "--output", str(tmp_path / "ml"), "--target-pp", "2",
             *(["--target-tp", "2"] if "--tp" in layout else []))
-    run_on_ranks(4, _load_and_save_sharded, str(tmp_path / "ml"), str(tmp_path / "ml2"), layout)
+    world = 8 if "--tp" in layout and "--ep" in layout else 4
+    run_on_ranks(world, _load_and_save_sharded, str(tmp_path / "ml"), str(tmp_path / "ml2"),
+                 layout)
     if "--ep" in layout:  # each of the 4 ranks (2 stages x 2 EP ranks) wrote its own experts
         index = json.load(open(next(tmp_path.glob("ml2/iter_*/index.json"))))
         assert len({piece[0] for name, entry in index["model"].items()
-                    if ".local_experts." in name for piece in entry["pieces"]}) == 4
+                    if ".local_experts." in name for piece in entry["pieces"]}) == world
     convert("--direction", "megalite-to-hf", "--model-type", model_type, "--input",
             str(tmp_path / "ml2"), "--output", str(tmp_path / "hf2"))
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2",

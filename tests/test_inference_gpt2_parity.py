@@ -11,7 +11,7 @@ ranks still agree (rank 0 draws the seed for all).
 import torch
 
 from megalite.device import current_device
-from megalite.hf import gpt2_config, load_gpt2
+from megalite.hf import gpt2_config, load_hf
 from megalite.inference import SamplingParams, generate
 from megalite.models import GPTModel
 from megalite.mpu import initialize_model_parallel
@@ -42,7 +42,7 @@ def _megalite_runs(tp: int, pp: int) -> dict:
     hf = _hf_model()
     model = GPTModel(gpt2_config(hf.config), pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), device=current_device()).eval()
-    load_gpt2(model, hf.state_dict())
+    load_hf(model, hf.state_dict())
     prompts = _prompts()
     sampled = [generate(model, prompts, SamplingParams(NEW, temperature=1.0, seed=s))
                for s in (11, 11, 12)]

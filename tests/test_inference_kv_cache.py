@@ -3,7 +3,8 @@
 A batch of three prompts of different lengths (left-padded) is prefilled, then six forced
 tokens are decoded one at a time with the cache. At every step each row's next-token
 logits must equal those of that row alone (no padding, no mask, no cache) recomputed over
-its whole sequence so far: GPT-2, Llama (RMSNorm, RoPE, SwiGLU, GQA, untied) and a DeepSeek-V3
+its whole sequence so far: GPT-2, Llama (RMSNorm, RoPE, SwiGLU, GQA, untied), Qwen3 (Llama
+with per-head q/k norms, head dim 12) and a DeepSeek-V3
 style MoE (dense first layer, sigmoid group-limited routing, grouped experts, shared expert)
 specs, at TP 1, TP 2 and PP 2 on two ranks, fp32, within 1e-5 relative.
 """
@@ -24,6 +25,9 @@ SPECS = {
     "llama": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
                   group_query_attention=True, num_query_groups=2, disable_bias_linear=True,
                   untie_embeddings_and_output_weights=True),
+    "qwen3": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                  group_query_attention=True, num_query_groups=2, disable_bias_linear=True,
+                  kv_channels=12, qk_layernorm=True),
     "deepseek-moe": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
                          disable_bias_linear=True, num_experts=8, moe_ffn_hidden_size=16,
                          moe_layer_freq="[0]+[1]", moe_router_score_function="sigmoid",

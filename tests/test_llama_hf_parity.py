@@ -1,9 +1,11 @@
-"""Llama-spec GPTModel at TP in {1, 2, 4} vs transformers LlamaForCausalLM, same random weights.
+"""Llama-spec GPTModel at TP in {1, 2, 4} vs transformers LlamaForCausalLM (and Qwen3ForCausalLM:
+per-head q/k norms), same random weights.
 
 fp32 (megalite on the rank's device, transformers on the CPU): MHA (fused QKV), GQA with 2
 groups (split at TP 2, replicated at TP 4), MQA (one group replicated on every rank), a head
-dim other than hidden/heads, Llama-3 RoPE scaling, tied and untied heads, odd vocabulary
-(203) and odd sequence length (13): logits within 1e-5, loss within 1e-5 relative, every
+dim other than hidden/heads, Llama-3 RoPE scaling, Qwen3's q/k norms (GQA, head dim 12,
+their weights replicated over TP and their grads summed over it), tied and untied heads, odd
+vocabulary (203) and odd sequence length (13): logits within 1e-5, loss within 1e-5 relative, every
 gradient (gathered over TP) within 1e-4 relative, then three AdamW steps on both and the
 losses still within 1e-5 relative. Also: one-line errors for configs megalite cannot
 express, before any collective.
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from megalite.device import current_device
-from megalite.hf import llama_config, load_llama, megalite_to_llama
+from megalite.hf import FAMILIES, llama_config, load_hf
 from megalite.models import GPTModel
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
@@ -28,28 +30,33 @@ CASES = {  # name -> LlamaConfig overrides
     "mqa tied": dict(num_key_value_heads=1, tie_word_embeddings=True),
     "gqa head_dim 24 llama3 rope": dict(num_key_value_heads=2, head_dim=24,
                                         rope_parameters=LLAMA3_ROPE),
+    "qwen3 gqa head_dim 12": dict(family="qwen3", num_key_value_heads=2, head_dim=12),
 }
 
 
-def tiny_llama(seed: int = 0, **overrides):
-    """A random transformers LlamaForCausalLM (no download); norm weights away from 1."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama(seed: int = 0, family: str = "llama", **overrides):
+    """A random transformers LlamaForCausalLM (or Qwen3ForCausalLM: `family` "qwen3"; no
+    download); norm weights away from 1."""
+    import transformers
+    cls = FAMILIES[family].transformers_class()
+    config_cls = getattr(transformers, cls.__name__.replace("ForCausalLM", "Config"))
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, max_position_embeddings=32, tie_word_embeddings=False,
               rope_parameters={"rope_type": "default", "rope_theta": 1e4})
-    return random_hf_model(LlamaForCausalLM, LlamaConfig(**{**kw, **overrides}), seed)
+    return random_hf_model(cls, config_cls(**{**kw, **overrides}), seed)
 
 
 def _compare(tp: int, case: str) -> dict:
     initialize_model_parallel(tp, 1)
     model_parallel_seed(0, ps.get_tensor_model_parallel_rank())
     hf = tiny_llama(**CASES[case])
-    config = llama_config(hf.config)
+    family = FAMILIES[CASES[case].get("family", "llama")]
+    config = family.config_from_hf(hf.config)
     model = GPTModel(config, device=current_device())
-    load_llama(model, hf.state_dict())
+    load_hf(model, hf.state_dict())
     tokens = torch.randint(0, VOCAB, (3, SEQ + 1),
                            generator=torch.Generator().manual_seed(1)).to(current_device())
-    return hf_parity_errors(model, hf, lambda state: megalite_to_llama(state, config), tokens,
+    return hf_parity_errors(model, hf, lambda state: family.state_to_hf(state, config), tokens,
                             VOCAB)
 
 

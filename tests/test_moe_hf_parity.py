@@ -1,7 +1,8 @@
-"""Tiny random Mixtral and Qwen2-MoE (shared expert, QKV bias) vs transformers with the same
-weights, trained through megalite's own step (DDP buffers, expert grads over the
-expert-data-parallel group, pipeline schedule, AdamW) at EP2 x TP2, EP2 x PP2 (4 ranks) and
-EP4 x DP2 (8 ranks), fp32: the first loss, every gradient (renamed to megalite's names from
+"""Tiny random Mixtral, Qwen2-MoE (shared expert, QKV bias) and Qwen3-MoE (per-head q/k norms,
+head dim 12, a dense first layer) vs transformers with the same weights, trained through
+megalite's own step (DDP buffers, expert grads over the expert-data-parallel group, pipeline
+schedule, AdamW) at one rank, EP2 x TP2 (+SP), EP2 x PP2 (4 ranks) and EP4 x DP2 (8 ranks),
+fp32: the first loss, every gradient (renamed to megalite's names from
 the HF grads, gathered over TP) and the losses after three AdamW steps agree. The batch is
 split over DP ranks, so the expert grads sum other ranks' tokens through the all-to-all."""
 import pytest
@@ -10,7 +11,8 @@ import torch
 from megalite.config import parse_configs
 from megalite.device import current_device
 from megalite.distributed.finalize import finalize_model_grads
-from megalite.hf.moe import moe_config, moe_to_megalite
+from megalite.hf import FAMILIES
+from megalite.hf.moe import moe_to_megalite
 from megalite.layout import RunLayout
 from megalite.models import GPTModel
 from megalite.models.sharding import load_full_state_dict
@@ -22,18 +24,26 @@ from tests.helpers.multirank import run_on_ranks
 from tests.helpers.reference import hf_token_loss, random_hf_model, rel_err
 
 VOCAB, SEQ, BATCH = 203, 10, 8
-LAYOUTS = {4: [(2, 1, 2), (1, 2, 2)], 8: [(1, 1, 4)]}  # world size -> [(tp, pp, ep)]
+# world size -> [(tp, pp, ep)]
+LAYOUTS = {1: [(1, 1, 1)], 4: [(2, 1, 2), (1, 2, 2)], 8: [(1, 1, 4)]}
 
 
 def tiny_moe(family: str, seed: int = 0, **overrides):
-    """A random transformers Mixtral / Qwen2-MoE (no download); norm weights away from 1."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    """A random transformers Mixtral / Qwen2-MoE / Qwen3-MoE (no download); norm weights away
+    from 1."""
+    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
     kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2,
               rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     if family == "mixtral":
         cfg = MixtralConfig(intermediate_size=40, num_local_experts=8, **{**kw, **overrides})
         cls = MixtralForCausalLM
+    elif family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**{**kw, "head_dim": 12, "intermediate_size": 48,
+                                "moe_intermediate_size": 32, "num_experts": 8,
+                                "norm_topk_prob": True, "mlp_only_layers": [0], **overrides})
+        cls = Qwen3MoeForCausalLM
     else:
         cfg = Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24,
                              shared_expert_intermediate_size=40, num_experts=8,
@@ -55,7 +65,7 @@ def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
                              "--micro-batch-size", "1", "--global-batch-size", str(BATCH),
                              "--seq-length", str(SEQ), "--clip-grad", "0", "--lr", "1e-3",
                              "--lr-decay-style", "constant", "--train-iters", "10"])
-    configs.model = moe_config(hf.config)
+    configs.model = FAMILIES[family].config_from_hf(hf.config)
     configs.model.max_position_embeddings = 32
     layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
     setup_parallel(configs, layout)
@@ -103,7 +113,7 @@ def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
 
 
 def _both_families(layouts: list[tuple[int, int, int]]) -> dict:
-    return {(family, layout): _parity(family, *layout) for family in ("mixtral", "qwen2_moe")
+    return {(family, layout): _parity(family, *layout) for family in ("mixtral", "qwen2_moe", "qwen3_moe")
             for layout in layouts}
 
 

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.data.packed import document_layout, with_document_layout
-from megalite.hf import gpt2_config, gpt2_to_megalite, llama_config, llama_to_megalite
-from megalite.hf import load_gpt2, load_llama
+from megalite.hf import gpt2_config, gpt2_to_megalite, llama_config, llama_to_megalite, load_hf
 from tests.helpers.multirank import run_on_ranks
 from tests.helpers.parallel_step import MICRO, MICROBATCHES, SEQ, VOCAB, parallel_step
 from tests.helpers.reference import assert_step_errors, step_errors, tiny_gpt2
@@ -77,8 +76,8 @@ def _all() -> dict:
     llama = tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                        num_hidden_layers=4, num_key_value_heads=2)
     gpt2_cfg, llama_cfg = gpt2_config(gpt2.config), llama_config(llama.config)
-    models = {"gpt2": (gpt2, gpt2_cfg, load_gpt2, lambda g: gpt2_to_megalite(g, gpt2_cfg)),
-              "llama": (llama, llama_cfg, load_llama, lambda g: llama_to_megalite(g, llama_cfg))}
+    models = {"gpt2": (gpt2, gpt2_cfg, load_hf, lambda g: gpt2_to_megalite(g, gpt2_cfg)),
+              "llama": (llama, llama_cfg, load_hf, lambda g: llama_to_megalite(g, llama_cfg))}
     tokens = packed_tokens(4 * MICROBATCHES * MICRO)
     out = {}
     for model_name, (hf, config, load, to_megalite) in models.items():

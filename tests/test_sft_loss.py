@@ -13,7 +13,7 @@ packed and padded.
 import torch
 
 from megalite.data.packed import pack_examples, pad_examples, pad_rows, token_weighted_batches
-from megalite.hf import llama_config, llama_to_megalite, load_llama
+from megalite.hf import llama_config, llama_to_megalite, load_hf
 from tests.helpers.multirank import run_on_ranks
 from tests.helpers.parallel_step import MICRO, SEQ, VOCAB, parallel_step
 from tests.helpers.reference import assert_step_errors, step_errors
@@ -78,7 +78,7 @@ def _all() -> dict:
                 return list(token_weighted_batches(rows, iter([torch.arange(ROWS, device="cpu")]), MICRO,
                                                    dp_rank, dp, divisor=m * dp))
             got = parallel_step(config, tp, pp, 1, sp, batches=batches, microbatches=m,
-                                load=lambda chunks: load_llama(chunks, hf.state_dict(), config))
+                                load=lambda chunks: load_hf(chunks, hf.state_dict(), config))
             out[f"{'packed' if packing else 'padded'} {name}"] = step_errors(got, want)
     return out
 

@@ -5,18 +5,20 @@
   megalite -> megalite: --direction reshard --input CKPT --output CKPT2 --target-tp 4 --target-pp 1
 
 --model-type is read from the input (a transformers directory's config.json model_type, a
-GGUF file's architecture, a megalite checkpoint's model config); given, it must agree:
-gpt (GPT-2), llama (LlamaForCausalLM directory, or a llama GGUF file as --input, e.g.
-SmolLM2 from `megalite.hf.smollm2_gguf_path()`), bert (BertModel,
-BertForSequenceClassification or BertForMaskedLM, picked by the head the weights have),
-mixtral or qwen2_moe (MixtralForCausalLM / Qwen2MoeForCausalLM directories; experts are
-stored by global index, so a checkpoint loads under any expert-parallel size too),
-deepseek_v3 (DeepseekV3ForCausalLM: multi-head latent attention, dense then MoE layers; its
-multi-token-prediction modules are not transformers weights: exporting drops them). A weight
-the model lacks or does not use, or a --target-tp/--target-pp the model cannot be split into,
-is one error line.
-megalite checkpoints hold full tensors per pipeline stage, so any of them loads under any
-layout; --target-tp/--target-pp record the layout and split the stage files.
+GGUF file's architecture, a megalite checkpoint's model config); given, it must agree. The
+families are megalite.hf.FAMILIES: gpt (GPT-2), llama (LlamaForCausalLM directory, or a llama
+GGUF file as --input, e.g. SmolLM2 from `megalite.hf.smollm2_gguf_path()`), qwen3 (per-head
+q/k norms), bert (BertModel, BertForSequenceClassification or BertForMaskedLM, picked by the
+head the weights have), mixtral, qwen2_moe and qwen3_moe (experts are stored by global index,
+so a checkpoint loads under any expert-parallel size too), deepseek_v3 (multi-head latent
+attention, dense then MoE layers; its multi-token-prediction modules are not transformers
+weights: exporting drops them). The special-token ids (bos/eos/pad) travel both ways. A
+weight the model lacks or does not use, or a --target-tp/--target-pp the model cannot be split
+into, is one error line.
+The checkpoint written is megalite's format 3 (megalite/checkpoint/: meta.json, index.json and
+a safetensors shard of full tensors), which loads under any TP/PP/DP/EP layout: --target-tp/
+--target-pp are checked against the model and recorded as its layout. Format-3 and format-2
+checkpoints are read.
 The tokenizer travels too: the input's (a transformers directory's, a GGUF file's) is saved in
 the checkpoint, and a checkpoint's is written beside exported weights (chat template
 included), so `pretrain_gpt.py --load`, tools/generate.py and AutoTokenizer find it.
@@ -25,55 +27,13 @@ import argparse
 import os
 
 from megalite import checkpoint
-from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
-                             OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
+from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig, OptimizerConfig,
+                             ParallelConfig, PrecisionConfig, TrainConfig)
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
-from megalite.hf import bert, deepseek_v3, gpt2, llama, moe
-from megalite.hf.families import check_weights, family_of_config, family_of_source
-from megalite.hf.readers import READERS, State
+from megalite.hf.families import FAMILIES, check_weights, family_of_config, family_of_source
+from megalite.hf.family import State
 from megalite.hf.tokenizer_io import export_tokenizer, source_tokenizer
 from megalite.layout import RunLayout
-
-
-def write_gpt(dst: str, full: State, config: ModelConfig, src: str) -> None:
-    from transformers import GPT2LMHeadModel
-    model = GPT2LMHeadModel(gpt2.to_gpt2_config(config))
-    missing, unexpected = model.load_state_dict(gpt2.megalite_to_gpt2(full, config), strict=False)
-    if unexpected or any("lm_head" not in k and not k.endswith(".attn.bias") for k in missing):
-        raise ValueError(f"{src}: weights do not fit GPT2LMHeadModel: missing {missing}, "
-                         f"unexpected {unexpected}")
-    model.tie_weights()
-    model.save_pretrained(dst)
-
-
-def write_bert(dst: str, full: State, config: ModelConfig, src: str) -> None:
-    """A model with a head via save_bert_dir; a bare encoder (all-MiniLM-L6-v2) as BertModel."""
-    if any(name.startswith(bert.HEAD_PREFIXES) for name in full):
-        bert.save_bert_dir(dst, full, config)
-        return
-    from transformers import BertModel
-    model = BertModel(bert.to_bert_config(config),
-                      add_pooling_layer="pooler.dense.weight" in full)
-    hf_state = bert.megalite_to_bert(full, config)
-    model.load_state_dict({k.removeprefix("bert."): v for k, v in hf_state.items()})
-    model.save_pretrained(dst)
-
-
-def write_llama(dst: str, full: State, config: ModelConfig, src: str) -> None:
-    llama.save_llama_dir(dst, full, config)
-
-
-def write_moe(dst: str, full: State, config: ModelConfig, src: str) -> None:
-    moe.save_moe_dir(dst, full, config)
-
-
-def write_deepseek_v3(dst: str, full: State, config: ModelConfig, src: str) -> None:
-    deepseek_v3.save_deepseek_v3_dir(dst, full, config)
-
-
-WRITERS = {  # name -> write a full megalite state as a transformers directory
-    "gpt": write_gpt, "bert": write_bert, "llama": write_llama, "mixtral": write_moe,
-    "qwen2_moe": write_moe, "deepseek_v3": write_deepseek_v3}
 
 
 def model_type_of(asked: str | None, found: str, src: str) -> str:
@@ -108,7 +68,7 @@ def write_checkpoint(dst: str, full: State, config: ModelConfig, src: str, tp: i
 
 def hf_to_megalite(model_type: str | None, src: str, dst: str, tp: int, pp: int) -> None:
     model_type = model_type_of(model_type, family_of_source(src), src)
-    config, full = READERS[model_type](src)
+    config, full = FAMILIES[model_type].read(src)
     write_checkpoint(dst, full, config, src, tp, pp, tokenizer=source_tokenizer(src))
 
 
@@ -116,7 +76,7 @@ def megalite_to_hf(model_type: str | None, src: str, dst: str) -> None:
     meta, full = checkpoint.read_full_model(src)
     config = ModelConfig(**meta["model_config"])
     check_weights(full, config, src)
-    WRITERS[model_type_of(model_type, family_of_config(config), src)](dst, full, config, src)
+    FAMILIES[model_type_of(model_type, family_of_config(config), src)].write(dst, full, config)
     export_tokenizer(checkpoint.checkpoint_tokenizer(src, meta), dst)
 
 
@@ -132,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--direction", required=True,
                         choices=("hf-to-megalite", "megalite-to-hf", "reshard"))
-    parser.add_argument("--model-type", choices=sorted(READERS),
+    parser.add_argument("--model-type", choices=sorted(FAMILIES),
                         help="checked against the input (default: read from it)")
     parser.add_argument("--input", required=True, help="source directory (or .gguf file)")
     parser.add_argument("--output", required=True, help="destination directory")

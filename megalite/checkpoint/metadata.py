@@ -109,12 +109,15 @@ def restores_rng(meta: dict, layout: dict) -> bool:
         and meta["layout"] == layout
 
 
+# The special-token ids a transformers config carries: not weight-defining, taken from the
+# checkpoint unless the run gives them.
+TOKEN_ID_FIELDS = frozenset({"bos_token_id", "eos_token_id", "pad_token_id"})
 # ModelConfig fields that may change between save and load: they change neither the
-# parameters nor what they mean, and stay this run's own. Every other field (those added
-# later too) is the checkpoint's.
+# parameters nor what they mean, and stay this run's own (token ids: see TOKEN_ID_FIELDS).
+# Every other field (those added later too) is the checkpoint's.
 RESUMABLE_MODEL_FIELDS = frozenset({
     "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
-    "recompute_granularity", "recompute_method", "recompute_num_layers"})
+    "recompute_granularity", "recompute_method", "recompute_num_layers"}) | TOKEN_ID_FIELDS
 
 
 def same_value(saved, ours) -> bool:
@@ -143,11 +146,13 @@ def differences_error(root: str, differences: list[str], hint: str = "") -> Valu
 
 def model_from_checkpoint(saved: dict, config: ModelConfig, explicit: Collection[str],
                           root: str) -> ModelConfig:
-    """`config` with every field that defines the weights taken from the saved model config;
-    ValueError listing every flag in `explicit` that disagrees with it."""
+    """`config` with every field that defines the weights taken from the saved model config
+    (and the token ids not in `explicit`); ValueError listing every flag in `explicit` that
+    disagrees with a weight-defining field."""
     fields = {f.name for f in dataclasses.fields(ModelConfig)} - RESUMABLE_MODEL_FIELDS
     differences = model_differences(saved, config, fields & set(explicit))
     if differences:
         raise differences_error(root, differences, " (drop these flags: the model comes from "
                                 "the checkpoint)")
-    return dataclasses.replace(config, **{k: v for k, v in saved.items() if k in fields})
+    taken = fields | (TOKEN_ID_FIELDS - set(explicit))
+    return dataclasses.replace(config, **{k: v for k, v in saved.items() if k in taken})

@@ -39,6 +39,8 @@ class ModelConfig(Section):
     kv_channels: int | None = arg(None, "head dim (default hidden / heads)")
     disable_bias_linear: bool = arg(False, "no biases in the attention and MLP linear layers")
     add_qkv_bias: bool = arg(False, "QKV bias even with --disable-bias-linear (Qwen2)")
+    qk_layernorm: bool = arg(False, "normalise each head's q and k over the head dim (the "
+                             "--normalization, one weight per head dim) before RoPE (Qwen3)")
     untie_embeddings_and_output_weights: bool = arg(
         False, "separate output layer instead of the input word embedding")
     hidden_dropout: float = arg(0.1, "dropout on embeddings and residual branches", min=0.0)
@@ -117,6 +119,11 @@ class ModelConfig(Section):
     moe_grouped_gemm: bool = arg(
         False, "local experts' weights stacked per layer and run as one grouped matmul "
         "(torch._grouped_mm where it runs, else a loop; checkpoints keep per-expert names)")
+    bos_token_id: int | None = arg(None, "beginning-of-sequence token id (carried to exported "
+                                   "configs; no effect on training)")
+    eos_token_id: int | list[int] | None = arg(
+        None, "end-of-sequence token id(s) (carried to exported configs)", nargs="+")
+    pad_token_id: int | None = arg(None, "padding token id (carried to exported configs)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,14 +6,13 @@ HF state dicts are accepted with or without the `bert.` prefix (BertModel,
 BertForSequenceClassification, BertForMaskedLM); head weights are optional on import.
 """
 import os
-import shutil
+from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.hf.family import Family, State
 from megalite.hf.gpt2 import qkv_from_head_major, qkv_to_head_major
-from megalite.models.sharding import load_full_state_dict, unwrap
 
 _TOP_MAP = {  # megalite name -> HF name (without the `bert.` prefix)
     "embedding.word_embeddings.weight": "embeddings.word_embeddings.weight",
@@ -46,8 +45,6 @@ _LAYER_MAP = {  # megalite layer suffix -> HF layer suffix
 HEAD_PREFIXES = ("classifier.", "lm_head.")  # may be absent from a checkpoint
 _UNPREFIXED = ("classifier.", "cls.")  # HF keys that never carry `bert.`
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json")
 
 
 def bert_config(hf_config) -> ModelConfig:
@@ -132,18 +129,6 @@ def megalite_to_bert(state: dict[str, torch.Tensor], config: ModelConfig
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def load_bert(model: nn.Module | list[nn.Module], hf_state: dict[str, torch.Tensor],
-              config: ModelConfig | None = None) -> list[str]:
-    """Fill this rank's TP/PP shard of a BertModel from a full HF BERT state dict.
-
-    Head parameters the checkpoint lacks keep their seeded initialisation; returns their names.
-    """
-    chunks = [unwrap(c) for c in (model if isinstance(model, list) else [model])]
-    state = bert_to_megalite(hf_state, config or chunks[0].config)
-    load_full_state_dict(chunks, state, optional=HEAD_PREFIXES)
-    return [n for c in chunks for n, _ in c.named_parameters() if n not in state]
-
-
 def read_bert_dir(model_dir: str) -> tuple[object, dict[str, torch.Tensor]]:
     """(BertConfig, state dict) of a local transformers BERT directory; nothing downloaded.
 
@@ -164,21 +149,40 @@ def read_bert_dir(model_dir: str) -> tuple[object, dict[str, torch.Tensor]]:
     return BertConfig.from_pretrained(model_dir, local_files_only=True), state
 
 
-def save_bert_dir(directory: str, state: dict[str, torch.Tensor], config: ModelConfig,
-                  tokenizer_dir: str | None = None) -> None:
-    """Write a `from_pretrained`-loadable directory: config.json + model.safetensors.
+def _read(family: Family, src: str, log: Callable[[str], None]) -> tuple[ModelConfig, State]:
+    """Every weight of the directory must map (a pretraining head, e.g., would be lost)."""
+    hf_config, state = read_bert_dir(src)
+    config = family.config_from_hf(hf_config)
+    full = bert_to_megalite(state, config)
+    mapped = {k.removeprefix("bert.") for k in megalite_to_bert(full, config)}
+    unused = sorted({k.removeprefix("bert.") for k in state} - mapped
+                    - {"embeddings.position_ids"})
+    if unused:
+        raise ValueError(f"{src}: weights megalite's BERT has no place for: {unused[:3]} "
+                         f"({len(unused)})")
+    return config, full
 
-    `state` is a full megalite state dict of all stages (see `gather_pipeline_state_dict`);
-    a classification model becomes BertForSequenceClassification, an MLM model
-    BertForMaskedLM. Tokenizer files found in `tokenizer_dir` are copied alongside.
-    """
-    from transformers import BertForMaskedLM, BertForSequenceClassification
+
+def _write(family: Family, directory: str, state: State, config: ModelConfig) -> None:
+    """A classification model as BertForSequenceClassification, an MLM model as
+    BertForMaskedLM, a bare encoder (all-MiniLM-L6-v2) as BertModel."""
+    from transformers import BertForMaskedLM, BertForSequenceClassification, BertModel
     classification = "classifier.weight" in state
     num_labels = state["classifier.weight"].shape[0] if classification else 2
-    hf_config = to_bert_config(config, num_labels)
-    model = (BertForSequenceClassification if classification else BertForMaskedLM)(hf_config)
-    model.load_state_dict(megalite_to_bert(state, config), strict=True)
+    hf_config = family.config_to_hf(config)
+    hf_config.num_labels = num_labels
+    hf_state = megalite_to_bert(state, config)
+    if any(name.startswith(HEAD_PREFIXES) for name in state):
+        model = (BertForSequenceClassification if classification else BertForMaskedLM)(hf_config)
+    else:
+        model = BertModel(hf_config, add_pooling_layer="pooler.dense.weight" in state)
+        hf_state = {k.removeprefix("bert."): v for k, v in hf_state.items()}
+    model.load_state_dict(hf_state, strict=True)
     model.save_pretrained(directory)
-    for name in TOKENIZER_FILES if tokenizer_dir else ():
-        if os.path.isfile(os.path.join(tokenizer_dir, name)):
-            shutil.copy(os.path.join(tokenizer_dir, name), directory)
+
+
+BERT = Family(
+    name="bert", model_types=("bert",), hf_class="BertModel", from_hf=bert_config,
+    to_hf=to_bert_config, state_from_hf=bert_to_megalite, state_to_hf=megalite_to_bert,
+    exports=lambda c: not c.causal, reader=_read, writer=_write,
+    optional_prefixes=HEAD_PREFIXES, generates=False)

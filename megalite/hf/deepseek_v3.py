@@ -14,10 +14,13 @@ shared_experts a SwiGLU MLP (`first_k_dense_replace` is the --moe-layer-freq pat
 [0]*k+[1]*(L-k)). transformers has no multi-token-prediction
 modules: exporting drops megalite's `mtp.` weights, importing starts without them.
 """
+from collections.abc import Callable
+
 import torch
 
 from megalite.config import ModelConfig
-from megalite.hf.llama import _TOP_MAP, top_level_to_megalite, write_hf_dir
+from megalite.hf.family import Family, State, from_pretrained
+from megalite.hf.llama import _TOP_MAP, top_level_to_megalite
 from megalite.hf.moe import deepseek_moe_block_state
 
 _LAYER_MAP = {  # megalite suffix -> transformers suffix (same layout)
@@ -259,9 +262,15 @@ def megalite_to_deepseek_v3(state: dict[str, torch.Tensor], config: ModelConfig
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def save_deepseek_v3_dir(directory: str, state: dict[str, torch.Tensor],
-                         config: ModelConfig) -> None:
-    """Write config.json + model.safetensors that `DeepseekV3ForCausalLM.from_pretrained`
-    loads. `state`: a full megalite state dict of all stages."""
-    write_hf_dir(directory, to_deepseek_v3_config(config), "DeepseekV3ForCausalLM",
-                 megalite_to_deepseek_v3(state, config))
+def _read(family: Family, src: str, log: Callable[[str], None]) -> tuple[ModelConfig, State]:
+    """A DeepseekV3ForCausalLM directory (either RoPE layout: its config's rope_interleave)."""
+    hf = from_pretrained(family.transformers_class(), src)
+    config = family.config_from_hf(hf.config)
+    return config, deepseek_v3_to_megalite(hf.state_dict(), config, hf.config.rope_interleave)
+
+
+DEEPSEEK_V3 = Family(
+    name="deepseek_v3", model_types=("deepseek_v3",), hf_class="DeepseekV3ForCausalLM",
+    from_hf=deepseek_v3_config, to_hf=to_deepseek_v3_config,
+    state_from_hf=deepseek_v3_to_megalite, state_to_hf=megalite_to_deepseek_v3,
+    exports=lambda c: c.causal and c.multi_latent_attention, reader=_read)

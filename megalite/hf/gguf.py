@@ -92,7 +92,8 @@ def read_llama_gguf(path: str, log: Callable[[str], None] = lambda message: None
                          "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0))},
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"))
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"))
     state, count = {}, len(reader.tensors)
     for i, tensor in enumerate(reader.tensors):
         block, _, suffix = tensor.name.partition(".")

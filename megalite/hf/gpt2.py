@@ -5,10 +5,9 @@ GPT-2 stores Conv1D weights as [in, out] (transposed vs nn.Linear), fuses c_attn
 [heads, (q, k, v), head_dim] so that a TP split keeps whole heads.
 """
 import torch
-from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.models.sharding import load_full_state_dict
+from megalite.hf.family import Family, State
 
 _LAYER_MAP = {  # megalite suffix -> (GPT-2 suffix, is a Conv1D weight)
     "input_layernorm.weight": ("ln_1.weight", False),
@@ -102,9 +101,20 @@ def megalite_to_gpt2(state: dict[str, torch.Tensor], config: ModelConfig
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def load_gpt2(model: nn.Module | list[nn.Module], hf_state: dict[str, torch.Tensor],
-              config: ModelConfig | None = None) -> None:
-    """Fill this rank's shard of a GPTModel (or its chunks) from a full GPT-2 state dict."""
-    chunks = model if isinstance(model, list) else [model]
-    config = config or chunks[0].config
-    load_full_state_dict(model, gpt2_to_megalite(hf_state, config))
+def _write(family: Family, directory: str, state: State, config: ModelConfig) -> None:
+    """Through GPT2LMHeadModel (its tied head and attention-mask buffers made by transformers)."""
+    from transformers import GPT2LMHeadModel
+    model = GPT2LMHeadModel(family.config_to_hf(config))
+    missing, unexpected = model.load_state_dict(megalite_to_gpt2(state, config), strict=False)
+    if unexpected or any("lm_head" not in k and not k.endswith(".attn.bias") for k in missing):
+        raise ValueError(f"{directory}: weights do not fit GPT2LMHeadModel: missing {missing}, "
+                         f"unexpected {unexpected}")
+    model.tie_weights()
+    model.save_pretrained(directory)
+
+
+GPT2 = Family(
+    name="gpt", model_types=("gpt2",), hf_class="GPT2LMHeadModel", from_hf=gpt2_config,
+    to_hf=to_gpt2_config, state_from_hf=gpt2_to_megalite, state_to_hf=megalite_to_gpt2,
+    exports=lambda c: c.causal and c.normalization == "LayerNorm" and c.num_experts is None
+    and not c.multi_latent_attention and not c.qk_layernorm, writer=_write)

@@ -4,22 +4,25 @@ transformers stores q_proj / k_proj / v_proj separately in the half-split RoPE l
 (`rotate_half`), which is megalite's. megalite fuses q, k, v head-major
 [heads, (q, k, v), d] for multi-head attention, and keeps a query projection plus a key-value
 projection [groups, (k, v), d] for grouped-query attention; gate_proj and up_proj become the
-[gate; up] rows of the SwiGLU input projection.
+[gate; up] rows of the SwiGLU input projection. The per-head q/k norms of Qwen3-style models
+(`self_attn.q_norm` / `k_norm`) are megalite's `self_attention.q_layernorm` / `k_layernorm`.
 """
-import os
+from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.hf.family import Family, State
+from megalite.hf.gguf import read_llama_gguf
 from megalite.hf.gpt2 import qkv_from_head_major, qkv_to_head_major
-from megalite.models.sharding import load_full_state_dict
 
 _LAYER_MAP = {  # megalite suffix -> transformers suffix (same layout)
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.dense.weight": "self_attn.o_proj.weight",
     "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 _TOP_MAP = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -89,28 +92,36 @@ def check_llama_spec(config: ModelConfig) -> None:
         raise ValueError(f"not a Llama config: needs {', '.join(problems)}")
 
 
-def to_llama_config(config: ModelConfig):
-    """transformers LlamaConfig equal to a megalite Llama-spec ModelConfig (no QKV bias)."""
-    from transformers import LlamaConfig
+def llama_config_fields(config: ModelConfig) -> dict:
+    """The transformers config fields every Llama-like family shares (sizes, GQA, head dim,
+    RoPE, norm epsilon, tied head) of a megalite Llama-spec config."""
     check_llama_spec(config)
-    if config.add_qkv_bias:
-        raise ValueError("--add-qkv-bias: a Qwen2-style model, not exportable as Llama")
     rope = {"rope_type": "default", "rope_theta": config.rotary_base}
     if config.use_rope_scaling:
         rope.update(rope_type="llama3", factor=config.rope_scaling_factor,
                     low_freq_factor=config.rope_low_freq_factor,
                     high_freq_factor=config.rope_high_freq_factor,
                     original_max_position_embeddings=config.rope_original_max_position_embeddings)
-    return LlamaConfig(
+    return dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.query_groups, head_dim=config.head_dim,
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.norm_epsilon, rope_parameters=rope,
-        attention_bias=False, mlp_bias=False,
         tie_word_embeddings=not config.untie_embeddings_and_output_weights,
         attention_dropout=config.attention_dropout, initializer_range=config.init_method_std)
+
+
+def to_llama_config(config: ModelConfig):
+    """transformers LlamaConfig equal to a megalite Llama-spec ModelConfig (no QKV bias)."""
+    from transformers import LlamaConfig
+    fields = llama_config_fields(config)
+    if config.add_qkv_bias:
+        raise ValueError("--add-qkv-bias: a Qwen2-style model, not exportable as Llama")
+    if config.qk_layernorm:
+        raise ValueError("--qk-layernorm: a Qwen3-style model, not exportable as Llama")
+    return LlamaConfig(**fields, attention_bias=False, mlp_bias=False)
 
 
 def _qkv_to_megalite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig,
@@ -187,31 +198,19 @@ def megalite_to_llama(state: dict[str, torch.Tensor], config: ModelConfig
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def load_llama(model: nn.Module | list[nn.Module], hf_state: dict[str, torch.Tensor],
-               config: ModelConfig | None = None) -> None:
-    """Fill this rank's TP/PP(/VPP) shard of a Llama-spec GPTModel from a full HF state dict."""
-    chunks = model if isinstance(model, list) else [model]
-    config = config or getattr(chunks[0], "module", chunks[0]).config
-    load_full_state_dict(model, llama_to_megalite(hf_state, config))
+def _read(family: Family, src: str, log: Callable[[str], None]) -> tuple[ModelConfig, State]:
+    """A transformers Llama directory, or a llama-architecture .gguf file (dequantised to fp32;
+    progress lines to `log`)."""
+    if not src.endswith(".gguf"):
+        return family.read_directory(src)
+    hf_config, state = read_llama_gguf(src, log)
+    config = family.config_from_hf(hf_config)
+    return config, family.state_from_hf(state, config)
 
 
-def save_llama_dir(directory: str, state: dict[str, torch.Tensor], config: ModelConfig) -> None:
-    """Write config.json + model.safetensors that `LlamaForCausalLM.from_pretrained` loads.
-
-    `state` is a full megalite state dict of all stages (see `gather_pipeline_state_dict`).
-    """
-    write_hf_dir(directory, to_llama_config(config), "LlamaForCausalLM",
-                 megalite_to_llama(state, config))
-
-
-def write_hf_dir(directory: str, hf_config, architecture: str,
-                 weights: dict[str, torch.Tensor]) -> None:
-    """config.json (naming `architecture`) + model.safetensors of HF-named `weights` (the
-    tied lm_head left out) in `directory`."""
-    from safetensors.torch import save_file
-    hf_config.architectures = [architecture]
-    os.makedirs(directory, exist_ok=True)
-    hf_config.save_pretrained(directory)
-    if hf_config.tie_word_embeddings:
-        weights.pop("lm_head.weight")
-    save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+LLAMA = Family(
+    name="llama", model_types=("llama",), gguf_architectures=("llama",),
+    hf_class="LlamaForCausalLM", from_hf=llama_config, to_hf=to_llama_config,
+    state_from_hf=llama_to_megalite, state_to_hf=megalite_to_llama,
+    exports=lambda c: c.causal and c.normalization == "RMSNorm" and c.num_experts is None
+    and not c.multi_latent_attention and not c.qk_layernorm, reader=_read)

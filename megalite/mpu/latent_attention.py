@@ -24,19 +24,10 @@ import torch
 from torch import nn
 
 from megalite.mpu import comm, parallel_state
-from megalite.mpu.attention import check_attention_split, core_attention
-from megalite.mpu.layers import (ColumnParallelLinear, InitMethod, RowParallelLinear,
-                                 set_tensor_model_parallel_attributes)
+from megalite.mpu.attention import check_attention_split, core_attention, replicated_norm
+from megalite.mpu.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
 from megalite.mpu.random import checkpoint
 from megalite.mpu.rotary import apply_rotary
-
-
-def _latent_norm(size: int, eps: float, dtype: torch.dtype, device, tp: int) -> nn.RMSNorm:
-    """RMSNorm of a latent, replicated over TP; each rank's grad holds only its heads' part."""
-    norm = nn.RMSNorm(size, eps=eps, dtype=dtype, device=device)
-    set_tensor_model_parallel_attributes(norm.weight, False)
-    norm.weight.tp_grad_partial = tp > 1
-    return norm
 
 
 class ParallelLatentAttention(nn.Module):
@@ -74,7 +65,8 @@ class ParallelLatentAttention(nn.Module):
         self.q_lora_rank = q_lora_rank
         if q_lora_rank:
             self.linear_q_down_proj = ColumnParallelLinear(hidden_size, q_lora_rank, **replicated)
-            self.q_layernorm = _latent_norm(q_lora_rank, norm_epsilon, params_dtype, device, tp)
+            self.q_layernorm = replicated_norm("RMSNorm", q_lora_rank, norm_epsilon,
+                                               params_dtype, device, tp)
             self.linear_q_up_proj = ColumnParallelLinear(q_lora_rank, q_dim,
                                                          disable_grad_reduce=True, **kw)
         else:
@@ -82,7 +74,8 @@ class ParallelLatentAttention(nn.Module):
                                                       sequence_parallel=sequence_parallel, **kw)
         self.linear_kv_down_proj = ColumnParallelLinear(
             hidden_size, kv_lora_rank + qk_pos_emb_head_dim, **replicated)
-        self.kv_layernorm = _latent_norm(kv_lora_rank, norm_epsilon, params_dtype, device, tp)
+        self.kv_layernorm = replicated_norm("RMSNorm", kv_lora_rank, norm_epsilon, params_dtype,
+                                            device, tp)
         self.linear_kv_up_proj = ColumnParallelLinear(
             kv_lora_rank, num_attention_heads * (qk_head_dim + v_head_dim),
             disable_grad_reduce=True, **kw)

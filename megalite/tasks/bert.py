@@ -40,7 +40,8 @@ from megalite.config import Configs, Section, arg, task_section
 from megalite.data.finetune import COLUMNS, encode_pairs, load_tokenizer
 from megalite.data.finetune_sources import pad_to_multiple, read_examples
 from megalite.data.samplers import EpochSampler, PretrainingSampler, row_batches
-from megalite.hf.bert import bert_config, load_bert, read_bert_dir, save_bert_dir
+from megalite.hf import BERT, load_hf
+from megalite.hf.bert import read_bert_dir
 from megalite.layout import RunLayout, global_batch_size
 from megalite.models.bert import BertModel
 from megalite.models.sharding import (full_state_dict, gather_pipeline_state_dict,
@@ -172,7 +173,7 @@ class PairClassification(Task):
             raise ValueError(f"{self.model_dir}: its classifier has {classifier.shape[0]} "
                              f"labels, --num-labels is {ft.num_labels}")
         honoured = {name: getattr(configs.model, name) for name in FLAGS["model"]}
-        configs.model = dataclasses.replace(bert_config(hf_config), **honoured)
+        configs.model = dataclasses.replace(BERT.config_from_hf(hf_config), **honoured)
         tokenizer = load_tokenizer(self.model_dir)
         self.train_set, valid = (encode_pairs(tokenizer, examples, t.seq_length)
                                  for examples in read_examples(ft, t.seed))
@@ -261,7 +262,7 @@ class PairClassification(Task):
             f"examples, {self._sizes()[1]} held out | {ft.epochs} epochs x "
             f"{self.steps_per_epoch} steps")
         if run.iteration == 0:
-            load_bert(run.model, self.hf_state, run.configs.model)
+            load_hf(run.model, self.hf_state, run.configs.model)
             run.optimizer.reload_model_params()
             self.counts = [self.count_correct(run)]
             log(f"validation accuracy before finetuning: {_accuracy(self.counts[0])}")
@@ -297,8 +298,8 @@ class PairClassification(Task):
             if save and os.path.isdir(checkpoint.iteration_dir(save, best)):
                 checkpoint.mark_latest(save, best)
             if run.configs.finetune.export_dir:
-                save_bert_dir(run.configs.finetune.export_dir, self.best_state,
-                              run.configs.model, tokenizer_dir=self.model_dir)
+                BERT.write(run.configs.finetune.export_dir, self.best_state,
+                           run.configs.model, tokenizer_dir=self.model_dir)
                 log(f"exported the best model (epoch {self.best_epoch}) to "
                     f"{run.configs.finetune.export_dir}")
         dist.barrier()

@@ -40,7 +40,7 @@ from megalite.data.chat_template import chat_template, end_of_turn_ids, render_c
 from megalite.data.packed import pack_examples, pad_examples, pad_rows, token_weighted_batches
 from megalite.data.tokenizers import build_tokenizer
 from megalite.hf.families import family_of_config
-from megalite.hf.llama import save_llama_dir
+from megalite.hf.llama import LLAMA
 from megalite.hf.tokenizer_io import export_tokenizer
 from megalite.inference.generation import generate
 from megalite.inference.loading import default_tokenizer, read_checkpoint, read_gguf, read_hf
@@ -275,7 +275,7 @@ class ChatFinetuning(Task):
         if export:
             state = gather_pipeline_state_dict(full_state_dict(run.model))
             if dist.get_rank() == 0:
-                save_llama_dir(export, state, run.configs.model)
+                LLAMA.write(export, state, run.configs.model)
                 export_tokenizer(run.configs.data.tokenizer, export)
                 log(f"exported the finetuned model to {export}")
             dist.barrier()
