@@ -28,6 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite import checkpoint  # noqa: E402
+from megalite.checkpoint.files import save_pretrained  # noqa: E402
 from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,  # noqa: E402
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
 from megalite.data.tokenizers import Tokenizer, build_tokenizer  # noqa: E402
@@ -46,7 +47,7 @@ def write_gpt(dst: str, full: State, config: ModelConfig, src: str) -> None:
         raise ValueError(f"{src}: weights do not fit GPT2LMHeadModel: missing {missing}, "
                          f"unexpected {unexpected}")
     model.tie_weights()
-    model.save_pretrained(dst)
+    save_pretrained(model, dst)
 
 
 def write_bert(dst: str, full: State, config: ModelConfig, src: str) -> None:
@@ -59,7 +60,7 @@ def write_bert(dst: str, full: State, config: ModelConfig, src: str) -> None:
                       add_pooling_layer="pooler.dense.weight" in full)
     hf_state = bert.megalite_to_bert(full, config)
     model.load_state_dict({k.removeprefix("bert."): v for k, v in hf_state.items()})
-    model.save_pretrained(dst)
+    save_pretrained(model, dst)
 
 
 def write_llama(dst: str, full: State, config: ModelConfig, src: str) -> None:

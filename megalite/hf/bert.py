@@ -11,6 +11,7 @@ import shutil
 import torch
 from torch import nn
 
+from megalite.checkpoint.files import save_pretrained
 from megalite.config import ModelConfig
 from megalite.hf.gpt2 import qkv_from_head_major, qkv_to_head_major
 from megalite.models.sharding import load_full_state_dict, unwrap
@@ -178,7 +179,7 @@ def save_bert_dir(directory: str, state: dict[str, torch.Tensor], config: ModelC
     hf_config = to_bert_config(config, num_labels)
     model = (BertForSequenceClassification if classification else BertForMaskedLM)(hf_config)
     model.load_state_dict(megalite_to_bert(state, config), strict=True)
-    model.save_pretrained(directory)
+    save_pretrained(model, directory)
     for name in TOKENIZER_FILES if tokenizer_dir else ():
         if os.path.isfile(os.path.join(tokenizer_dir, name)):
             shutil.copy(os.path.join(tokenizer_dir, name), directory)

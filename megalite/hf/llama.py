@@ -11,6 +11,7 @@ import os
 import torch
 from torch import nn
 
+from megalite.checkpoint.files import write_tensors
 from megalite.config import ModelConfig
 from megalite.hf.gpt2 import qkv_from_head_major, qkv_to_head_major
 from megalite.models.sharding import load_full_state_dict
@@ -208,10 +209,9 @@ def write_hf_dir(directory: str, hf_config, architecture: str,
                  weights: dict[str, torch.Tensor]) -> None:
     """config.json (naming `architecture`) + model.safetensors of HF-named `weights` (the
     tied lm_head left out) in `directory`."""
-    from safetensors.torch import save_file
     hf_config.architectures = [architecture]
     os.makedirs(directory, exist_ok=True)
     hf_config.save_pretrained(directory)
     if hf_config.tie_word_embeddings:
         weights.pop("lm_head.weight")
-    save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    write_tensors(os.path.join(directory, "model.safetensors"), weights, {"format": "pt"})

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from megalite.checkpoint.files import STREAM_BUFFER_BYTES
 from megalite.config import Configs
 from megalite.layout import RunLayout
 from megalite.models.spec import TransformerSpec
@@ -35,6 +36,26 @@ from megalite.schedules.accounting import schedule_bubble
 
 # bytes per parameter in a checkpoint: weights, fp32 masters (bf16/fp16) and Adam's 2 moments
 CHECKPOINT_BYTES = {"fp32": 4 + 8, "bf16": 2 + 4 + 8, "fp16": 2 + 4 + 8}
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # what stays on the GPU with CPU offload
+
+
+def checkpoint_shard_bytes(precision: str, dense: int, expert: int, replicas: int,
+                           ep: int) -> float:
+    """Bytes one rank writes into a distributed checkpoint: its TP shard's share
+    (megalite.checkpoint.state) of weights, masters and Adam moments of `dense` params split
+    over the DP x CP `replicas`, of `expert` params over the expert-DP ranks."""
+    return CHECKPOINT_BYTES[precision] * (dense / replicas + expert * ep / replicas)
+
+
+def save_host_bytes(precision: str, shard: float, async_save: bool, on_gpu: bool,
+                    offload: bool) -> float:
+    """Host memory a save of `shard` bytes adds on one rank: the streaming writer's bounded
+    buffer (megalite.checkpoint.files: for tensors not contiguous in host memory) and, with
+    `async_save` on GPUs, the reusable (pinned) host copy of the shard's GPU share: all of it,
+    or the weights only with CPU offload (megalite.checkpoint.staging; a CPU run's async
+    writer reads the live tensors)."""
+    staged = shard * (WEIGHT_BYTES[precision] / CHECKPOINT_BYTES[precision] if offload else 1)
+    return min(STREAM_BUFFER_BYTES, shard) + (staged if async_save and on_gpu else 0)
 
 
 
@@ -113,9 +134,13 @@ class Plan:
         share (megalite.checkpoint.state) of weights, masters and Adam moments, split over
         the DP x CP ranks (experts over the expert-DP ranks)."""
         grid, s = self.layout.grid, self.stages[stage]
-        replicas = grid.dp * grid.cp
-        return CHECKPOINT_BYTES[self.precision] * (
-            (s.params - s.expert_params) / replicas + s.expert_params * grid.ep / replicas)
+        return checkpoint_shard_bytes(self.precision, s.params - s.expert_params,
+                                      s.expert_params, grid.dp * grid.cp, grid.ep)
+
+    def save_host_bytes(self, async_save: bool) -> float:
+        """Host memory a save adds on the rank of the largest shard (`save_host_bytes`)."""
+        shard = max(self.checkpoint_bytes(stage) for stage in self.stages)
+        return save_host_bytes(self.precision, shard, async_save, True, self.layout.cpu_offload)
 
     def save_time(self, write_gbps: float) -> float:
         """Seconds of a save when every rank writes its bytes at `write_gbps` GB/s at once."""
