@@ -174,3 +174,21 @@ def _async_saves_the_state_of_its_iteration(root: str) -> bool:
 
 def test_async_save_on_the_cpu_writes_its_iteration_while_the_next_step_waits(tmp_path):
     assert run_on_ranks(1, _async_saves_the_state_of_its_iteration, str(tmp_path / "ck"))[0]
+
+
+def test_the_plan_counts_what_a_save_adds_to_host_memory():
+    """A rank's shard is 12 B/param (fp32 weights + 2 Adam moments), 14 with bf16 masters; a
+    save adds the bounded buffer, an async one on GPUs the shard's GPU share too: all of it,
+    or the 2-byte weights with the masters and moments offloaded to the host."""
+    from megalite.planning.planner import plan
+    from tools.plan import parse
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1"]
+    for extra, per_param, staged in (([], 12, 12), (["--bf16", "--optimizer-cpu-offload",
+                                                    "--use-distributed-optimizer"], 14, 2)):
+        p = plan(parse(flags + extra)[0])
+        shard = per_param * p.total_params
+        assert p.checkpoint_bytes("first") == shard
+        assert p.save_host_bytes(False) == min(files.STREAM_BUFFER_BYTES, shard)
+        assert p.save_host_bytes(True) == min(files.STREAM_BUFFER_BYTES, shard) + staged * (
+            p.total_params)
