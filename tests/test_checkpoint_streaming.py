@@ -4,7 +4,6 @@ save_file), the files are byte for byte that writer's, a load reads only the sli
 needs, and an asynchronous save on the CPU writes the state of its iteration although the
 next optimizer step follows at once."""
 import os
-import resource
 import time
 
 import torch
@@ -18,12 +17,16 @@ from tests.multirank import run_on_ranks
 
 MIB = 2 ** 20
 BUFFER = MIB  # the bounded buffer in these tests (64 MiB in training)
-MARGIN = 2 * MIB  # the header, Python objects
-FIRST_USE = 8 * MIB  # a process's first save also faults in library code and kernels (~4 MiB)
+MARGIN = 8 * MIB  # the header, Python objects, the allocator's slack; a process's first save
+# also faults in library code and kernels (~4 MiB), whatever the state's size
 
 
 def _peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    """This process's peak resident set (bytes): VmHWM, the high-water mark of its own memory.
+    (getrusage's ru_maxrss would do, but a spawned process inherits its parent's peak through
+    exec, and pytest's can be larger than this whole test's.)"""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
 def _rise(fn) -> int:
@@ -108,7 +111,7 @@ def test_a_save_adds_at_most_the_bounded_buffer_where_copies_added_the_state(tmp
     new = run_once(1, _streamed_rises, str(tmp_path / "new"))[0]
     old = run_once(1, _reference_rise, str(tmp_path / "old"))[0]
     assert new["state"] > 30 * BUFFER and new["views"] > 10 * BUFFER
-    assert new["first save"] <= BUFFER + FIRST_USE, new
+    assert new["first save"] <= BUFFER + MARGIN, new
     assert new["save"] <= BUFFER + MARGIN, new
     assert new["write views"] <= BUFFER + MARGIN, new
     assert old >= 0.8 * new["state"], old  # the previous writer: about the state on top
