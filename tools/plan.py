@@ -127,6 +127,9 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
     per_rank = max(p.checkpoint_bytes(stage) for stage in p.stages)
     lines.append(f"Checkpoint save: {_size(per_rank)} per rank (every rank writes its slices at "
                  f"once), {p.save_time(ckpt_write_gbps):.3g} s at {ckpt_write_gbps:g} GB/s per rank")
+    lines.append(f"  host memory a save adds per rank: {_size(p.save_host_bytes(False))} (the "
+                 f"streaming writer's buffer), {_size(p.save_host_bytes(True))} with --async-save "
+                 f"(+ a pinned host copy of the GPU's share, allocated once)")
     message = (t.seq_length // par.context_parallel_size * t.micro_batch_size * m.hidden_size
                * ACTIVATION_BYTES[p.precision])
     lines += ["", f"Communication: a b s h message is {message / 2**20:.2f} MiB; per microbatch "

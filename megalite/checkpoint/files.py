@@ -6,6 +6,13 @@ references) and `<path>.safetensors` (the tensors); `load_state(path)` rebuilds 
 keys that are not strings, tuples and numpy arrays are tagged so they come back as they
 were (the RNG states of `random` and numpy, torch optimizer states keyed by int).
 
+`write_tensors(path, tensors)` streams a safetensors file: the header (computed from shapes
+and dtypes), then each tensor's bytes straight from its memory (a contiguous host tensor,
+views and bf16 included) or, for a tensor that is not contiguous or not in host memory,
+through one reusable host buffer of at most STREAM_BUFFER_BYTES, chunk by chunk; so writing
+costs no more host memory than that buffer and the header. The file is byte for byte what
+`safetensors.torch.save_file` writes for the same tensors.
+
 `safetensors_shapes(path)` reads only a safetensors header and checks the file holds
 every byte the header announces, so a truncated or foreign file is one clear error
 before any tensor is read.
@@ -13,10 +20,23 @@ before any tensor is read.
 import json
 import os
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+STREAM_BUFFER_BYTES = 64 * 2 ** 20  # the most host memory a file write copies through
+
+# safetensors' dtype names, in the order of its Dtype enum: its writer puts the tensors of the
+# last one first (descending alignment), then sorts by name
+SAFETENSORS_DTYPES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3", torch.int16: "I16", torch.uint16: "U16",
+    torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32",
+    torch.float32: "F32", torch.complex64: "C64", torch.float64: "F64", torch.int64: "I64",
+    torch.uint64: "U64"}
+_DTYPE_RANK = {dtype: i for i, dtype in enumerate(SAFETENSORS_DTYPES)}
 
 
 class CheckpointFileError(ValueError):
@@ -30,11 +50,6 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
 
 
 def write_json(path: str, value) -> None:
@@ -56,19 +71,99 @@ def read_json(path: str):
                                   f"by megalite") from None
 
 
-def _own(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor that owns its storage (safetensors refuses views and shared storage)."""
-    tensor = tensor.detach().cpu()
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() \
-            or not tensor.is_contiguous():
-        tensor = tensor.clone(memory_format=torch.contiguous_format)
-    return tensor
+def _file_order(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors in safetensors' file order (dtype rank descending, then name)."""
+    for name, tensor in tensors.items():
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"tensor {name!r}: safetensors cannot store {tensor.dtype}")
+    return sorted(tensors.items(), key=lambda item: (-_DTYPE_RANK[item[1].dtype], item[0]))
 
 
-def write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """safetensors file of `tensors`, fsynced."""
-    save_file({k: _own(v) for k, v in tensors.items()}, path)
-    _fsync_file(path)
+def safetensors_header(order: list[tuple[str, torch.Tensor]],
+                       metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte little-endian length and the JSON header of a file holding the tensors of
+    `order` in that order, padded with spaces to a multiple of 8 bytes as safetensors pads."""
+    header: dict = {"__metadata__": metadata} if metadata is not None else {}
+    offset = 0
+    for name, tensor in order:
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, in place (any dtype: viewed as uint8)."""
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _chunks(tensor: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """Views of `tensor` of at most `limit` elements each (whole rows where they fit), whose
+    elements in order are `tensor`'s in row-major order."""
+    if tensor.numel() <= limit:
+        yield tensor
+        return
+    rows = limit // (tensor.numel() // tensor.shape[0])
+    if rows:
+        yield from (tensor[i:i + rows] for i in range(0, tensor.shape[0], rows))
+    else:
+        for row in tensor:
+            yield from _chunks(row, limit)
+
+
+def _in_place(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s bytes can be written from its own memory."""
+    return tensor.device.type == "cpu" and tensor.is_contiguous()
+
+
+def _write_through(f, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
+    """Write `tensor` (any device and strides) in chunks copied into the host `buffer`."""
+    size = tensor.element_size()
+    for chunk in _chunks(tensor.detach(), buffer.numel() // size):
+        piece = buffer[:chunk.numel() * size]
+        piece.view(tensor.dtype).view(chunk.shape).copy_(chunk)
+        f.write(_raw_bytes(piece))
+
+
+def write_tensors(path: str, tensors: dict[str, torch.Tensor],
+                  metadata: dict[str, str] | None = None) -> None:
+    """safetensors file of `tensors` (any device, views allowed), streamed and fsynced; the
+    same bytes as `safetensors.torch.save_file(tensors, path, metadata)`. Tensors not in
+    host memory or not contiguous go through one host buffer of at most STREAM_BUFFER_BYTES
+    (pinned when one of them is on a CUDA device)."""
+    order = _file_order(tensors)
+    staged = [t for _, t in order if not _in_place(t) and t.numel()]
+    buffer = None
+    if staged:
+        largest = max(t.numel() * t.element_size() for t in staged)
+        buffer = torch.empty(min(STREAM_BUFFER_BYTES, largest), dtype=torch.uint8,
+                             pin_memory=any(t.is_cuda for t in staged))
+    with open(path, "wb") as f:
+        f.write(safetensors_header(order, metadata))
+        for _, tensor in order:
+            if _in_place(tensor):
+                f.write(_raw_bytes(tensor))
+            elif tensor.numel():
+                _write_through(f, tensor, buffer)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_pretrained(model, directory: str) -> None:
+    """`model.save_pretrained(directory)` (a transformers model: its config, and the weights
+    transformers picks, tied copies left out) with the safetensors files streamed by
+    `write_tensors` instead of transformers' `safe_save_file`."""
+    from transformers import modeling_utils
+    saver = modeling_utils.safe_save_file
+    modeling_utils.safe_save_file = lambda tensors, path, metadata=None: write_tensors(
+        path, tensors, metadata)
+    try:
+        model.save_pretrained(directory)
+    finally:
+        modeling_utils.safe_save_file = saver
 
 
 def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:

@@ -15,24 +15,29 @@ from megalite.checkpoint.files import save_state, write_json
 from megalite.checkpoint.metadata import FORMAT, current_layout, params_dtype_name, save_tokenizer
 from megalite.checkpoint.rng import rng_state
 from megalite.checkpoint.shards import ShardWriter, merge_index
+from megalite.checkpoint.staging import AsyncStaging
 from megalite.checkpoint.state import collect_shards
 from megalite.config import ModelConfig
 from megalite.data.tokenizers import Tokenizer
 from megalite.models.sharding import local_shard
 from megalite.mpu import comm
 
+STAGING = AsyncStaging()  # this rank's host buffer for --async-save, reused by every save
+
 
 class PendingSave:
-    """A save whose files are being written (by a background thread with --async-save);
-    `finish()` waits for them on every rank and publishes the checkpoint."""
+    """A save whose files are being written (by a background thread with --async-save, which
+    reads `staging`); `finish()` waits for them on every rank and publishes the checkpoint."""
 
     def __init__(self, root: str, iteration: int, tmp: str, write: Callable[[], None],
-                 meta: dict | None, keep_latest: int | None, background: bool) -> None:
+                 meta: dict | None, keep_latest: int | None,
+                 staging: AsyncStaging | None = None) -> None:
         self.root, self.iteration, self.tmp, self.meta = root, iteration, tmp, meta
-        self.keep_latest, self.error = keep_latest, None
+        self.keep_latest, self.error, self.staging = keep_latest, None, staging
         self._thread = threading.Thread(target=self._run, args=(write,), daemon=True,
                                         name=f"checkpoint-save-{iteration}")
-        if background:
+        if staging is not None:
+            staging.writer = self._thread
             self._thread.start()
         else:
             self._run(write)
@@ -47,8 +52,8 @@ class PendingSave:
         """Collective over the world: wait for this rank's files, agree that every rank wrote
         its own, then rank 0 writes the index and meta.json and publishes (rename + marker).
         A failure anywhere publishes nothing and raises on every rank."""
-        if self._thread.ident is not None:
-            self._thread.join()
+        if self.staging is not None:
+            self.staging.wait()
         failed = torch.tensor([0.0 if self.error is None else 1.0], device=device)
         comm.all_reduce(failed, dist.group.WORLD, op=dist.ReduceOp.MAX)
         if self.error is not None:
@@ -73,10 +78,13 @@ def save(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
                     ) -> PendingSave:
     """Collective over the world: every rank writes the slices it owns, rank 0 publishes.
 
-    Each rank copies its slices of the weights and optimizer state to the host; the files are
-    written at once, or with `async_save` by a background thread while training goes on, and
-    published by `PendingSave.finish()` (called here without `async_save`; otherwise the
-    caller calls it before the next save and at the end of the run). `task_state` (JSON: the
+    Each rank writes its slices of the weights and optimizer state straight from their
+    memory (files.write_tensors: at most one bounded host buffer for device tensors), at
+    once, or with `async_save` by a background thread while training goes on, from the
+    rank's reusable host copy of its device tensors and in place for those in host memory
+    (the next optimizer step waits for the write: staging.py); published by
+    `PendingSave.finish()` (called here without `async_save`; otherwise the caller calls it
+    before the next save and at the end of the run). `task_state` (JSON: the
     training task's own progress) is kept in meta.json as "task"; `tokenizer` (rank 0's
     matters) is saved beside the weights. With `keep_latest`, rank 0 then deletes all but the
     newest that many iterations.
@@ -99,6 +107,8 @@ def save(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
     dist.barrier()
     writer = ShardWriter(rank)
     collect_shards(model, optimizer, writer)
+    if async_save:
+        writer.tensors = STAGING.stage(writer.tensors, optimizer)
     rng = rng_state()
     meta = None
     if rank == 0:
@@ -113,7 +123,8 @@ def save(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
     def write() -> None:
         writer.write(tmp)
         save_state(rank_state_path(tmp, rank), {"rng": rng})
-    pending = PendingSave(root, iteration, tmp, write, meta, keep_latest, async_save)
+    pending = PendingSave(root, iteration, tmp, write, meta, keep_latest,
+                          STAGING if async_save else None)
     if not async_save:
         pending.finish(device)
     return pending

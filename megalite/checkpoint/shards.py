@@ -28,8 +28,9 @@ def shard_name(rank: int) -> str:
 
 
 class ShardWriter:
-    """One rank's slices: add them (host copies are taken, so training can go on), then
-    `write` them, from any thread (no communication)."""
+    """One rank's slices: add them (views of the live tensors, nothing is copied; an async
+    save stages them first, staging.py), then `write` them, streamed (files.write_tensors),
+    from any thread (no communication)."""
 
     def __init__(self, rank: int) -> None:
         self.name = shard_name(rank)
@@ -40,7 +41,7 @@ class ShardWriter:
     def add(self, kind: str, name: str, shape: tuple[int, ...], box: Box,
             values: torch.Tensor) -> None:
         key = f"{kind}/{name}/{len(self.tensors)}"
-        self.tensors[key] = values.detach().to("cpu", copy=True).contiguous()
+        self.tensors[key] = values.detach()
         self.entries.append([kind, name, list(shape), str(values.dtype).removeprefix("torch."),
                              key, list(box[0]), list(box[1])])
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from megalite.checkpoint.files import save_pretrained
 from megalite.config import ModelConfig
 from megalite.hf.family import Family, State
 from megalite.hf.gpt2 import qkv_from_head_major, qkv_to_head_major
@@ -178,7 +179,7 @@ def _write(family: Family, directory: str, state: State, config: ModelConfig) ->
         model = BertModel(hf_config, add_pooling_layer="pooler.dense.weight" in state)
         hf_state = {k.removeprefix("bert."): v for k, v in hf_state.items()}
     model.load_state_dict(hf_state, strict=True)
-    model.save_pretrained(directory)
+    save_pretrained(model, directory)
 
 
 BERT = Family(

@@ -118,4 +118,4 @@ def write_hf_dir(directory: str, hf_config, architecture: str, weights: State) -
     hf_config.save_pretrained(directory)
     if hf_config.tie_word_embeddings:
         weights.pop("lm_head.weight")
-    write_tensors(os.path.join(directory, "model.safetensors"), weights)
+    write_tensors(os.path.join(directory, "model.safetensors"), weights, {"format": "pt"})

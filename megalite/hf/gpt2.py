@@ -6,6 +6,7 @@ GPT-2 stores Conv1D weights as [in, out] (transposed vs nn.Linear), fuses c_attn
 """
 import torch
 
+from megalite.checkpoint.files import save_pretrained
 from megalite.config import ModelConfig
 from megalite.hf.family import Family, State
 
@@ -110,7 +111,7 @@ def _write(family: Family, directory: str, state: State, config: ModelConfig) ->
         raise ValueError(f"{directory}: weights do not fit GPT2LMHeadModel: missing {missing}, "
                          f"unexpected {unexpected}")
     model.tie_weights()
-    model.save_pretrained(directory)
+    save_pretrained(model, directory)
 
 
 GPT2 = Family(

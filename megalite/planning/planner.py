@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from megalite.config import Configs
+from megalite.checkpoint.files import STREAM_BUFFER_BYTES
+from megalite.config import Configs, OptimizerConfig
 from megalite.layout import RunLayout
 from megalite.models.spec import TransformerSpec
 from megalite.mpu.layers import pad_vocab_size
@@ -32,6 +33,33 @@ from megalite.planning.params import fsdp_units, stage_expert_params, stage_para
 from megalite.planning.state_bytes import (FP32, PARAM_GRAD_BYTES, StateBytes, gather_bytes,
                                            optimizer_state_bytes, state_bytes_per_param)
 from megalite.schedules.accounting import schedule_bubble
+
+
+def checkpoint_bytes_per_param(precision: str, optimizer: OptimizerConfig) -> tuple[int, int]:
+    """(all, weights): bytes per parameter in a checkpoint, of weights, fp32 masters (bf16,
+    fp16) and the optimizer state of its megalite.optimizer.kinds record; and the weights'."""
+    weights, _ = PARAM_GRAD_BYTES[precision]
+    masters = 0 if precision == "fp32" else FP32
+    return weights + masters + optimizer_state_bytes(optimizer), weights
+
+
+def checkpoint_shard_bytes(per_param: float, dense: int, expert: int, replicas: int,
+                           ep: int) -> float:
+    """Bytes one rank writes into a distributed checkpoint: its TP shard's share
+    (megalite.checkpoint.state) at `per_param` bytes of `dense` params split over the DP x CP
+    `replicas`, of `expert` params over the expert-DP ranks."""
+    return per_param * (dense / replicas + expert * ep / replicas)
+
+
+def save_host_bytes(shard: float, weight_share: float, async_save: bool, on_gpu: bool,
+                    offload: bool) -> float:
+    """Host memory a save of `shard` bytes adds on one rank: the streaming writer's bounded
+    buffer (megalite.checkpoint.files: for tensors not contiguous in host memory) and, with
+    `async_save` on GPUs, the reusable (pinned) host copy of the shard's GPU share: all of it,
+    or the weights only (`weight_share` of the bytes) with CPU offload
+    (megalite.checkpoint.staging; a CPU run's async writer reads the live tensors)."""
+    staged = shard * (weight_share if offload else 1)
+    return min(STREAM_BUFFER_BYTES, shard) + (staged if async_save and on_gpu else 0)
 
 
 
@@ -111,12 +139,16 @@ class Plan:
         state (its megalite.optimizer.kinds record's), split over the DP x CP ranks (experts
         over the expert-DP ranks)."""
         grid, s = self.layout.grid, self.stages[stage]
-        replicas = grid.dp * grid.cp
-        weights, _ = PARAM_GRAD_BYTES[self.precision]
-        masters = 0 if self.precision == "fp32" else FP32
-        per_param = weights + masters + optimizer_state_bytes(self.configs.optimizer)
-        return per_param * (
-            (s.params - s.expert_params) / replicas + s.expert_params * grid.ep / replicas)
+        per_param, _ = checkpoint_bytes_per_param(self.precision, self.configs.optimizer)
+        return checkpoint_shard_bytes(per_param, s.params - s.expert_params, s.expert_params,
+                                      grid.dp * grid.cp, grid.ep)
+
+    def save_host_bytes(self, async_save: bool) -> float:
+        """Host memory a save adds on the rank of the largest shard (`save_host_bytes`)."""
+        shard = max(self.checkpoint_bytes(stage) for stage in self.stages)
+        per_param, weights = checkpoint_bytes_per_param(self.precision, self.configs.optimizer)
+        return save_host_bytes(shard, weights / per_param, async_save, True,
+                               self.layout.cpu_offload)
 
     def save_time(self, write_gbps: float) -> float:
         """Seconds of a save when every rank writes its bytes at `write_gbps` GB/s at once."""

@@ -40,7 +40,8 @@ def log_pipeline(configs: Configs, layout: RunLayout) -> None:
 
 def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Module]) -> None:
     """Log rank 0's model-state bytes from the planner's formula (megalite.planning.state_bytes)
-    for its parameters (dense ones sharded over DP x CP, experts over expert-DP)."""
+    for its parameters (dense ones sharded over DP x CP, experts over expert-DP) and, with
+    --save, what a checkpoint save writes and adds to host memory (megalite.planning.planner)."""
     params = [p for chunk in model for p in chunk.parameters()]
     expert = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
     g, precision = layout.grid, planner.precision_name(configs)
@@ -54,6 +55,16 @@ def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Mo
     log(state_bytes.describe(precision, layout.sharding, g.dp * g.cp, g.ep,
                              layout.cpu_offload, stage - expert, expert,
                              gather, configs.optimizer))
+    if configs.checkpoint.save:
+        per_param, weights = planner.checkpoint_bytes_per_param(precision, configs.optimizer)
+        shard = planner.checkpoint_shard_bytes(per_param, stage - expert, expert, g.dp * g.cp,
+                                               g.ep)
+        extra = planner.save_host_bytes(shard, weights / per_param,
+                                        configs.checkpoint.async_save,
+                                        device.device_type() == "cuda", layout.cpu_offload)
+        log(f"checkpoint save per rank: {shard / 2 ** 20:,.1f} MiB written, + "
+            f"{extra / 2 ** 20:,.1f} MiB of host memory while saving"
+            f"{' (asynchronous)' if configs.checkpoint.async_save else ''}")
 
 
 
