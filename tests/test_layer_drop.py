@@ -26,7 +26,7 @@ from megalite.mpu import destroy_model_parallel, initialize_model_parallel
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.layers import gather_tensor_parallel
 from megalite.planning.flops import flops_per_iteration
-from tests.gpt_run import make_dataset, tiny_args, train_with_grad_norms
+from tests.gpt_run import make_dataset, tiny_args, train, train_with_grad_norms
 from tests.multirank import run_on_ranks
 from tests.parallel_step import (GPT2, MICRO, MICROBATCHES, SEED, global_batch, parallel_step,
                                  with_)
@@ -176,8 +176,9 @@ def test_theta_one_equals_the_run_without_dropping_bit_for_bit(tmp_path, data):
 @pytest.mark.parametrize("layout", [
     ["--pp", "2", "--dp", "2", "--use-distributed-optimizer", "--recompute-granularity", "full"],
     ["--dp", "4", "--data-parallel-sharding-strategy", "optim_grads_params"],
+    ["--dp", "2", "--pp", "2", "--data-parallel-sharding-strategy", "optim_grads"],
     ["--pp", "2", "--dp", "2", "--ep", "2", "--num-experts", "4", "--moe-router-topk", "2",
-     "--moe-ffn-hidden-size", "16"]], ids=["zero1 pp2 recompute", "zero3", "moe ep2"])
+     "--moe-ffn-hidden-size", "16"]], ids=["zero1 pp2 recompute", "zero3", "zero2 pp2", "moe ep2"])
 def test_dropping_trains_and_logs_theta_and_layers_computed(tmp_path, data, layout):
     argv = tiny_args(data, f"{tmp_path}/run", 4, *layout, "--progressive-layer-drop",
                      "--pld-gamma", "0.5", "--log-interval", "2")
@@ -189,6 +190,39 @@ def test_dropping_trains_and_logs_theta_and_layers_computed(tmp_path, data, layo
     schedule = LayerDrop(0.5, 0.5, 1234, 4)
     assert theta == pytest.approx([schedule.theta_at(1), schedule.theta_at(3)], abs=1e-4)
     assert all(0 < share < 1 for share in shares), shares
+
+
+def _straight_and_resumed(prefix: str, root: str) -> tuple[dict, dict]:
+    flags = ["--pp", "2", "--dp", "2", "--progressive-layer-drop", "--pld-gamma", "0.5"]
+    straight = train(tiny_args(prefix, f"{root}/straight", 4, *flags))
+    train(tiny_args(prefix, f"{root}/resumed", 4, "--exit-interval", "2", *flags))
+    resumed = train(tiny_args(prefix, f"{root}/resumed", 4, "--load", f"{root}/resumed", *flags))
+    return straight, resumed
+
+
+def test_resume_draws_the_same_decisions(tmp_path, data):
+    straight, resumed = run_on_ranks(4, _straight_and_resumed, data, str(tmp_path))[0]
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[i] for i in (3, 4)] == [straight[i] for i in (3, 4)], (straight, resumed)
+
+
+def _eval_and_generation_run_every_layer() -> bool:
+    initialize_model_parallel(1, 1)
+    model = GPTModel(GPT2, layer_range=(0, 4), init_seed=SEED, device=current_device())
+    tokens = global_batch(1)[:, :-1]
+    model.eval()
+    full = model(tokens)
+    start_layer_drop([model], SCHEDULE, 0, 2000)
+    with torch.no_grad():
+        same = torch.equal(model(tokens), full)
+    model.train()
+    differs = not torch.equal(model(tokens), full)
+    destroy_model_parallel()
+    return same and differs
+
+
+def test_off_in_evaluation_and_generation():
+    assert run_on_ranks(1, _eval_and_generation_run_every_layer) == [True]
 
 
 def test_post_ln_bert_is_refused_with_one_line():
