@@ -9,8 +9,10 @@
   replica's decisions (fp32, 1e-5 relative), at a step where some microbatch drops all of a
   pipeline stage's layers.
 - Through pretrain_gpt: θ̄ = 1 (never drop) equals the run without the flag bit for bit; with
-  dropping the log shows θ(t) and the share of layers computed, and runs with ZeRO-1, ZeRO-3
-  and MoE layers (EP 2) train; BERT is refused with one line; FLOPs count only the layers run.
+  dropping the log shows θ(t) and the share of layers computed, and runs with ZeRO-1/2/3
+  and MoE layers (EP 2) train; a resumed run equals the straight one bit for bit.
+- Evaluation (and so generation) runs every layer; BERT is refused with one line; FLOPs count
+  only the layers run.
 """
 import math
 import re
