@@ -5,7 +5,8 @@ wall-clock second, pretrain_gpt on the built-in corpus, one process each (CPU + 
     PYTHONPATH=$PWD python3 benchmarks/bench_pld.py                  # the docs' run
     PYTHONPATH=$PWD python3 benchmarks/bench_pld.py --train-iters 60 --plot ''   # quicker
 
-Both runs have the same model, data, seed and flags; the PLD run adds
+Both runs have the same model, data, seed and flags and run side by side, one thread each, so
+that both see the same load on a shared machine; the PLD run adds
 --progressive-layer-drop --pld-theta THETA --pld-gamma GAMMA (γ scaled to the run's length,
 DeepSpeed's 0.001 is for ~100k steps). Each run logs every step; the table compares the
 median ms/iter over the second half of the run (θ(t) near θ̄ there) with the share of layers
@@ -14,27 +15,29 @@ computed (the embedding, output layer and optimizer step do not shrink).
 Asserts nothing.
 """
 import argparse
+import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ITERATION = re.compile(r"iteration\s+(\d+)/.*?(?:layers computed ([0-9.]+) \| )?ms/iter (\d+)")
 VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([0-9.E+-]+)")
 
 
 def run(flags: list[str]) -> dict:
-    """One pretrain_gpt run: per step (iteration, layers computed, ms), and (seconds since start,
-    iteration, validation loss) of each evaluation."""
+    """One pretrain_gpt run, one thread (OMP_NUM_THREADS=1): per step (iteration, layers
+    computed, ms), and (seconds since start, iteration, validation loss) of each evaluation."""
     start = time.time()
     process = subprocess.Popen([sys.executable, "pretrain_gpt.py", *flags],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     steps, validations = [], []
     for line in process.stdout:
         if match := ITERATION.search(line):
-            print(line.rstrip()[:60], file=sys.stderr, flush=True)  # progress
             steps.append((int(match[1]), float(match[2] or 1.0), float(match[3])))
         elif match := VALIDATION.search(line):
             validations.append((time.time() - start, int(match[1]), float(match[2])))
@@ -62,10 +65,11 @@ def main() -> None:
                 "--eval-interval", str(max(1, args.train_iters // 6)), "--eval-iters", "4",
                 "--hidden-dropout", "0", "--attention-dropout", "0",
                 "--data-cache-dir", f"{root}/cache"]
-        runs = {"none": run(base + ["--save", f"{root}/none"]),
-                "pld": run(base + ["--save", f"{root}/pld", "--progressive-layer-drop",
-                                   "--pld-theta", str(args.theta),
-                                   "--pld-gamma", str(args.gamma)])}
+        flags = {"none": base + ["--save", f"{root}/none"],
+                 "pld": base + ["--save", f"{root}/pld", "--progressive-layer-drop",
+                                "--pld-theta", str(args.theta), "--pld-gamma", str(args.gamma)]}
+        with ThreadPoolExecutor(2) as pool:  # side by side: both see the machine's same load
+            runs = dict(zip(flags, pool.map(run, flags.values())))
     half = args.train_iters // 2
     table = {}
     for name, result in runs.items():
