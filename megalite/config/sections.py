@@ -133,6 +133,13 @@ class TrainConfig(Section):
     wandb_project: str | None = arg(None, "log every field to this Weights & Biases project "
                                     "(needs the optional wandb package; WANDB_MODE=offline "
                                     "works without network)")
+    progressive_layer_drop: bool = arg(
+        False, "progressive layer dropping (Pre-LN models): skip layer l of L in a microbatch "
+        "with probability (l/L)(1 - theta(t)), theta(t) = (1 - pld_theta) exp(-pld_gamma t) + "
+        "pld_theta after t steps")
+    pld_theta: float = arg(0.5, "progressive layer dropping: the keep probability theta(t) "
+                           "falls to (0 < theta <= 1)")
+    pld_gamma: float = arg(0.001, "progressive layer dropping: how fast theta(t) falls, per step")
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.models.layer_drop import LayerDropState
 from megalite.models.spec import TransformerSpec
 from megalite.moe import MoELayer, MoEState
 from megalite.mpu.attention import ParallelAttention
@@ -62,8 +63,10 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) 
 class ParallelTransformerLayer(nn.Module):
     """One layer, pre-norm (GPT-2, Llama) or post-norm (BERT); an MoE layer's MLP records into
     and takes its aux-loss backward scale from `moe_state`.
-    forward(x [s, b, h], mask, rotary (cos, sin) | None, inference_params) -> [s, b, h];
-    `inference_params` (a `megalite.inference.KVCache`) holds this layer's keys and values."""
+    forward(x [s, b, h], mask, rotary (cos, sin) | None, inference_params, residual_scale)
+    -> [s, b, h]; `inference_params` (a `megalite.inference.KVCache`) holds this layer's keys
+    and values; `residual_scale` multiplies both residual branches of a pre-norm layer
+    (progressive layer dropping: 1/p of a kept layer)."""
 
     def __init__(self, config: ModelConfig, layer_number: int, group=None,
                  params_dtype=torch.float32, device=None, sequence_parallel: bool = False,
@@ -93,16 +96,23 @@ class ParallelTransformerLayer(nn.Module):
         return dropout(x, self.hidden_dropout, self.training, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rotary: Rotary = None, inference_params=None) -> torch.Tensor:
+                rotary: Rotary = None, inference_params=None,
+                residual_scale: float = 1.0) -> torch.Tensor:
         recompute_core = self.config.recompute_granularity == "selective" and self.training
         kv_cache = None if inference_params is None else inference_params.layer(self.layer_number)
         if self.post_norm:
             x = self.input_layernorm(x + self._dropout(
                 self.self_attention(x, attention_mask, rotary, recompute_core, kv_cache)))
             return self.post_attention_layernorm(x + self._dropout(self.mlp(x)))
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), attention_mask, rotary,
-                                                  recompute_core, kv_cache))
-        return x + self._dropout(self.mlp(self.post_attention_layernorm(x)))
+        x = x + self._scaled(self._dropout(self.self_attention(
+            self.input_layernorm(x), attention_mask, rotary, recompute_core, kv_cache)),
+            residual_scale)
+        return x + self._scaled(self._dropout(self.mlp(self.post_attention_layernorm(x))),
+                                residual_scale)
+
+    @staticmethod
+    def _scaled(branch: torch.Tensor, scale: float) -> torch.Tensor:
+        return branch if scale == 1.0 else branch * scale
 
 
 class ParallelTransformer(nn.Module):
@@ -110,7 +120,9 @@ class ParallelTransformer(nn.Module):
     layers share `moe_state` (the model chunk's).
 
     Full recompute checkpoints groups of `recompute_num_layers` layers (uniform) or the
-    first `recompute_num_layers` layers (block).
+    first `recompute_num_layers` layers (block). In training with progressive layer dropping
+    (`layer_drop`, megalite.models.layer_drop) only the microbatch's kept layers run, their
+    residual branches scaled by 1/p; with none kept the input passes on.
     forward(x [s, b, h], mask, rotary (cos, sin) | None, inference_params) -> [s, b, h].
     """
 
@@ -126,10 +138,15 @@ class ParallelTransformer(nn.Module):
                     config, number, group=group, params_dtype=params_dtype, device=device,
                     sequence_parallel=sequence_parallel, moe_state=moe_state)
         self.layers = nn.ModuleDict(layers)
+        self.layer_drop = LayerDropState()
 
-    def _groups(self) -> Iterator[tuple[list[nn.Module], bool]]:
-        """(consecutive layers, whether to checkpoint them) in order."""
-        layers = list(self.layers.values())
+    def _groups(self) -> Iterator[tuple[list[tuple[nn.Module, float]], bool]]:
+        """(consecutive layers with their residual scales, whether to checkpoint them) in
+        order; dropped layers left out."""
+        scales = self.layer_drop.residual_scales() if self.training else None
+        layers = [(layer, 1.0 if scales is None else scales.get(int(number)))
+                  for number, layer in self.layers.items()]
+        layers = [(layer, scale) for layer, scale in layers if scale is not None]
         full = self.config.recompute_granularity == "full" and self.training
         n = self.config.recompute_num_layers
         if not full:
@@ -143,6 +160,7 @@ class ParallelTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 rotary: Rotary = None, inference_params=None) -> torch.Tensor:
+        given = x
         for group, recompute in self._groups():
             if not group:
                 continue
@@ -150,11 +168,13 @@ class ParallelTransformer(nn.Module):
                 x = checkpoint(_run_layers, group, x, attention_mask, rotary, inference_params)
             else:
                 x = _run_layers(group, x, attention_mask, rotary, inference_params)
-        return x
+        # every layer dropped: a view, so that the executor never frees the received tensor
+        return x.view_as(x) if x is given and x.requires_grad else x
 
 
-def _run_layers(layers: list[nn.Module], x: torch.Tensor, attention_mask: torch.Tensor | None,
-                rotary: Rotary, inference_params=None) -> torch.Tensor:
-    for layer in layers:
-        x = layer(x, attention_mask, rotary, inference_params)
+def _run_layers(layers: list[tuple[nn.Module, float]], x: torch.Tensor,
+                attention_mask: torch.Tensor | None, rotary: Rotary,
+                inference_params=None) -> torch.Tensor:
+    for layer, scale in layers:
+        x = layer(x, attention_mask, rotary, inference_params, scale)
     return x

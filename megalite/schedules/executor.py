@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from megalite.models.layer_drop import layer_drop_states
 from megalite.models.sharding import unwrap
 from megalite.models.transformer_stage import moe_states
 from megalite.moe import training_step
@@ -88,6 +89,7 @@ class _Run:
         self.weight_work: dict[tuple[int, int], list] = {}           # deferred by B, for W
         self.backwards: Counter = Counter()  # by (B or W, chunk)
         self.losses: list[LossDict] = []
+        self.layer_drops = [layer_drop_states(chunk) for chunk in chunks]
 
     def _local_previous(self, key: tuple[int, int]) -> tuple[int, int] | None:
         """(chunk, microbatch) of the previous stage when it is on this rank (V placement)."""
@@ -105,6 +107,8 @@ class _Run:
             handed = self.outputs.pop(previous) if self.forward_only else self.outputs[previous]
             self.inputs[key] = handed.detach().requires_grad_(not self.forward_only)
         unwrap(chunk).set_input_tensor(None if first else self.inputs[key])
+        for state in self.layer_drops[key[0]]:  # progressive layer dropping draws per microbatch
+            state.microbatch = key[1]
         output, loss_func = self.forward_step_func(self.iterators[key[0]], chunk)
         unwrap(chunk).set_input_tensor(None)  # the graph, and self.inputs, keep what is needed
         if last:

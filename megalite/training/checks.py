@@ -10,6 +10,7 @@ from megalite import checkpoint
 from megalite.config import Configs
 from megalite.data.gpt_dataset import check_data, check_split
 from megalite.layout import RunLayout
+from megalite.models.layer_drop import check_layer_drop
 from megalite.training.log_writers import check_available
 from megalite.training.resilience import parse_faults
 
@@ -57,6 +58,7 @@ def check_before_start(configs: Configs, layout: RunLayout) -> None:
         check_data(configs.data.data_path, configs.data.split, m.vocab_size,
                    needs_train=t.train_iters > 0)
     check_available(t.tensorboard_dir, t.wandb_project)
+    check_layer_drop(configs)
     parse_faults(os.environ.get("MEGALITE_FAULT", ""))
     start = 0
     if ckpt.load and (meta := checkpoint.read_meta(ckpt.load)):

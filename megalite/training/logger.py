@@ -9,6 +9,7 @@ from megalite import device
 from megalite.config import Configs
 from megalite.device import peak_memory_mb
 from megalite.layout import RunLayout
+from megalite.models.layer_drop import LayerDrop, shared_over_replicas
 from megalite.models.transformer_stage import moe_states
 from megalite.moe.stats import reduce_mtp_loss, reduce_step_stats
 from megalite.mpu import parallel_state as ps
@@ -30,7 +31,8 @@ class TrainingLogger:
     per device, peak memory. `validation` adds loss and perplexity. `loss_key` names the
     logged loss; `flops` is the model FLOPs of one iteration (default: a language model's,
     whose output layer spans the padded vocabulary). MoE models add the last step's routing
-    stats, read from this rank's `model` chunks.
+    stats, read from this rank's `model` chunks; progressive layer dropping adds θ(t) and the
+    share of layers computed, and its FLOPs count only the layers run.
     """
 
     def __init__(self, configs: Configs, layout: RunLayout, model: list[nn.Module],
@@ -41,6 +43,10 @@ class TrainingLogger:
                                 configs.parallel.tensor_model_parallel_size)
         self.flops = flops if flops is not None else flops_per_iteration(
             configs.model, layout.global_batch_size, configs.train.seq_length, padded)
+        self.padded_vocab, self.task_flops = padded, flops is not None
+        self.layer_drop = LayerDrop.from_configs(configs)
+        self.drop_replicas = 1 if shared_over_replicas(configs) else layout.data_parallel_size
+        self.flop_total, self.layer_share_total = 0.0, 0.0
         self.losses: list[float] = []
         self.grad_norm: float | None = None  # of the last step (None: not computed)
         self.skipped = self.steps = 0
@@ -60,11 +66,12 @@ class TrainingLogger:
         self.skipped += not stepped
         self.steps += 1
         self.data_seconds += data_seconds
+        self._count_flops(iteration)
         t = self.configs.train
         if iteration % t.log_interval and iteration != t.train_iters:
             return
         elapsed = (time.time() - self.start) / self.steps
-        moe_stats = self._moe_stats()
+        moe_stats, drop_fields = self._moe_stats(), self._layer_drop_fields(iteration)
         fields = {
             self.loss_key: sum(self.losses) / len(self.losses) if self.losses else math.nan,
             "learning rate": lr,
@@ -73,9 +80,10 @@ class TrainingLogger:
             "ms per iteration": 1000 * elapsed,
             "data ms per iteration": 1000 * self.data_seconds / self.steps,
             "tokens per second": self.layout.global_batch_size * t.seq_length / elapsed,
-            "TFLOP/s per device": self.flops / elapsed / dist.get_world_size() / 1e12,
+            "TFLOP/s per device": self.flop_total / self.steps / elapsed
+            / dist.get_world_size() / 1e12,
             "peak memory MB": peak_memory_mb(device.current_device()),
-            **moe_stats}
+            **drop_fields, **moe_stats}
         self.writers.write(fields, iteration)
         parts = [f"iteration {iteration:6d}/{t.train_iters:6d}",
                  f"{self.loss_key} {fields[self.loss_key]:.4E}", f"lr {lr:.3E}",
@@ -84,6 +92,7 @@ class TrainingLogger:
         if self.configs.precision.fp16:
             parts.append(f"loss scale {loss_scale:.1f}")
         parts += [f"{name} {value:.4g}" for name, value in moe_stats.items()]
+        parts += [f"{name} {value:.4f}" for name, value in drop_fields.items()]
         parts += [f"ms/iter {fields['ms per iteration']:.0f}",
                   f"data ms/iter {fields['data ms per iteration']:.2f}",
                   f"tokens/s {fields['tokens per second']:,.0f}",
@@ -92,6 +101,28 @@ class TrainingLogger:
         log(" | ".join(parts))
         self.losses, self.skipped, self.steps = [], 0, 0
         self.start, self.data_seconds = time.time(), 0.0
+        self.flop_total, self.layer_share_total = 0.0, 0.0
+
+    def _count_flops(self, iteration: int) -> None:
+        """Add the model FLOPs of step `iteration`: with progressive layer dropping only the
+        layers its microbatches ran (drawn again here from the schedule: no communication);
+        a task's own FLOPs count is taken as is."""
+        if self.layer_drop is None:
+            self.flop_total += self.flops
+            return
+        shares = self.layer_drop.layer_shares(iteration - 1, self.layout.num_microbatches,
+                                              self.drop_replicas)
+        self.layer_share_total += sum(shares) / len(shares)
+        self.flop_total += self.flops if self.task_flops else flops_per_iteration(
+            self.configs.model, self.layout.global_batch_size, self.configs.train.seq_length,
+            self.padded_vocab, shares)
+
+    def _layer_drop_fields(self, iteration: int) -> dict[str, float]:
+        """θ(t) of step `iteration` and the share of layers computed since the last line."""
+        if self.layer_drop is None:
+            return {}
+        return {"pld theta": self.layer_drop.theta_at(iteration - 1),
+                "layers computed": self.layer_share_total / self.steps}
 
     def _moe_stats(self) -> dict[str, float]:
         """The last step's multi-token-prediction loss (with --mtp-num-layers), router losses,

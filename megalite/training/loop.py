@@ -19,6 +19,7 @@ from megalite.config import Configs
 from megalite.data.loader import TimedIterator
 from megalite.distributed.finalize import finalize_model_grads
 from megalite.layout import RunLayout
+from megalite.models.layer_drop import LayerDrop, shared_over_replicas, start_layer_drop
 from megalite.moe import update_expert_bias
 from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps
@@ -222,8 +223,12 @@ def _train_loop(run: Run, train_batches: TimedIterator) -> None:
     t, ckpt = configs.train, configs.checkpoint
     save_interval = ckpt.save_interval or default_save_interval(t.train_iters)
     guard, save_due = SkipGuard(t.max_skipped_steps), False
+    layer_drop = LayerDrop.from_configs(configs)
+    replica = 0 if shared_over_replicas(configs) else ps.get_data_parallel_rank()
     with ExitSignalHandler(t.exit_signal_handler) as signals:
         while run.iteration < t.train_iters:
+            if layer_drop is not None:
+                start_layer_drop(run.model, layer_drop, replica, run.iteration)
             loss, stepped, grad_norm = train_step(
                 inject_faults(task.forward_step, run.iteration + 1), train_batches, run.model,
                 run.optimizer, layout, task.loss_key, signals)

@@ -97,8 +97,11 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
     if strategy.fsdp:
         return [shard_model(chunk, strategy.name, configs.precision.params_dtype,
                             o.optimizer_cpu_offload) for chunk in chunks]
+    # progressive layer dropping: a replica's dropped layers get no grads, so buckets would
+    # become ready in a different order on each replica; all are reduced after backward
+    overlap = o.overlap_grad_reduce and not configs.train.progressive_layer_drop
     return [DistributedDataParallel(chunk, bucket_size=o.ddp_bucket_size,
-                                    overlap_grad_reduce=o.overlap_grad_reduce,
+                                    overlap_grad_reduce=overlap,
                                     use_distributed_optimizer=strategy.shards_optimizer,
                                     make_reducer=optimizer_kind(o.optimizer).reducer)
             for chunk in chunks]

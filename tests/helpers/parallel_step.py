@@ -44,7 +44,7 @@ def global_batch(dp: int, vocab: int = VOCAB) -> torch.Tensor:
 
 def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
                   vpp: int | None = None, load=None, ep: int = 1, batches=None,
-                  microbatches: int = MICROBATCHES) -> dict:
+                  microbatches: int = MICROBATCHES, overlap_grad_reduce: bool = True) -> dict:
     """Mean loss over all tokens of the global batch, the grads of this rank's parameters
     (full over TP, by name), and whether the TP-partial replicated grads agree over TP (and
     the multi-token-prediction loss, with --mtp-num-layers).
@@ -62,7 +62,8 @@ def parallel_step(config: ModelConfig, tp: int, pp: int, cp: int, sp: bool,
     if load is not None:
         load(chunks)
     sync_shared_embedding(chunks)
-    model = [DistributedDataParallel(chunk) for chunk in chunks]
+    model = [DistributedDataParallel(chunk, overlap_grad_reduce=overlap_grad_reduce)
+             for chunk in chunks]
     if batches is None:
         rows = global_batch(dp, config.vocab_size).split(MICROBATCHES * MICRO)[dp_rank]
         mine = [{"tokens": t} for t in rows.split(MICRO)]

@@ -1,0 +1,107 @@
+"""Progressive layer dropping vs none: step time, layers computed and validation loss per
+wall-clock second, pretrain_gpt on the built-in corpus, one process each (CPU + gloo unless
+--device-flags say otherwise).
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_pld.py                  # the docs' run
+    PYTHONPATH=$PWD python3 benchmarks/bench_pld.py --train-iters 60 --plot ''   # quicker
+
+Both runs have the same model, data, seed and flags and run side by side, one thread each, so
+that both see the same load on a shared machine; the PLD run adds
+--progressive-layer-drop --pld-theta THETA --pld-gamma GAMMA (γ scaled to the run's length,
+DeepSpeed's 0.001 is for ~100k steps). Each run logs every step; the table compares the
+median ms/iter over the second half of the run (θ(t) near θ̄ there) with the share of layers
+computed (the embedding, output layer and optimizer step do not shrink).
+--plot writes validation loss against wall-clock seconds of both runs (matplotlib).
+Asserts nothing.
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ITERATION = re.compile(r"iteration\s+(\d+)/.*?(?:layers computed ([0-9.]+) \| )?ms/iter (\d+)")
+VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([0-9.E+-]+)")
+
+
+def run(flags: list[str]) -> dict:
+    """One pretrain_gpt run, one thread (OMP_NUM_THREADS=1): per step (iteration, layers
+    computed, ms), and (seconds since start, iteration, validation loss) of each evaluation."""
+    start = time.time()
+    process = subprocess.Popen([sys.executable, "pretrain_gpt.py", *flags],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    steps, validations = [], []
+    for line in process.stdout:
+        if match := ITERATION.search(line):
+            steps.append((int(match[1]), float(match[2] or 1.0), float(match[3])))
+        elif match := VALIDATION.search(line):
+            validations.append((time.time() - start, int(match[1]), float(match[2])))
+    if process.wait():
+        raise SystemExit(f"pretrain_gpt failed: {' '.join(flags)}")
+    return {"steps": steps, "validations": validations, "seconds": time.time() - start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--seq-length", type=int, default=64)
+    parser.add_argument("--train-iters", type=int, default=150)
+    parser.add_argument("--theta", type=float, default=0.5)
+    parser.add_argument("--gamma", type=float, default=0.03)
+    parser.add_argument("--plot", default="docs/pld_validation.png")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as root:
+        base = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+                "--num-attention-heads", "4", "--seq-length", str(args.seq_length),
+                "--max-position-embeddings", str(args.seq_length), "--micro-batch-size", "4",
+                "--global-batch-size", "8", "--train-iters", str(args.train_iters),
+                "--lr", "1e-3", "--lr-warmup-iters", "10", "--log-interval", "1",
+                "--eval-interval", str(max(1, args.train_iters // 6)), "--eval-iters", "4",
+                "--hidden-dropout", "0", "--attention-dropout", "0",
+                "--data-cache-dir", f"{root}/cache"]
+        flags = {"none": base + ["--save", f"{root}/none"],
+                 "pld": base + ["--save", f"{root}/pld", "--progressive-layer-drop",
+                                "--pld-theta", str(args.theta), "--pld-gamma", str(args.gamma)]}
+        with ThreadPoolExecutor(2) as pool:  # side by side: both see the machine's same load
+            runs = dict(zip(flags, pool.map(run, flags.values())))
+    half = args.train_iters // 2
+    table = {}
+    for name, result in runs.items():
+        late = [s for s in result["steps"] if s[0] > half]
+        table[name] = {"ms/iter": statistics.median(s[2] for s in late),
+                       "layers computed": statistics.mean(s[1] for s in late),
+                       "final validation": result["validations"][-1][2],
+                       "seconds": result["seconds"]}
+    none, pld = table["none"], table["pld"]
+    print(f"{args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, "
+          f"{args.train_iters} steps, theta {args.theta}, gamma {args.gamma}; second half:")
+    print("| run | ms/iter | layers computed | final validation loss | run seconds |")
+    print("|---|---|---|---|---|")
+    for name, row in table.items():
+        print(f"| {name} | {row['ms/iter']:.0f} | {row['layers computed']:.3f} | "
+              f"{row['final validation']:.4f} | {row['seconds']:.0f} |")
+    print(f"step time ratio pld/none {pld['ms/iter'] / none['ms/iter']:.3f}, layers computed "
+          f"{pld['layers computed']:.3f}")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        for name, result in runs.items():
+            seconds, _, losses = zip(*result["validations"])
+            plt.plot(seconds, losses, marker="o", label=name)
+        plt.xlabel("wall-clock seconds")
+        plt.ylabel("validation lm loss")
+        plt.title(f"PLD (theta {args.theta}, gamma {args.gamma}) vs none")
+        plt.legend()
+        plt.savefig(args.plot, dpi=100)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
