@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from megalite.config import Configs
+from megalite.sharding import sharding_strategy
 from megalite.models.spec import TransformerSpec
 
 
@@ -78,8 +79,7 @@ class LayerDrop:
 
 def shared_over_replicas(configs: Configs) -> bool:
     """Whether every DP replica uses replica 0's decisions (see the module docstring)."""
-    from megalite.distributed.fsdp import FULLY_SHARDED  # fsdp imports the layer stack
-    return configs.optimizer.sharding in FULLY_SHARDED or \
+    return sharding_strategy(configs.optimizer.sharding).fsdp or \
         configs.parallel.expert_model_parallel_size > 1
 
 
