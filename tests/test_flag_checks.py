@@ -9,8 +9,8 @@ import typing
 
 import pytest
 
+from megalite.config import TASK_SECTIONS, Configs, OptimizerConfig, parse_configs
 from megalite.tasks import gpt as pretrain_gpt
-from megalite.config import Configs, OptimizerConfig, parse_configs
 from tests.helpers.gpt_run import make_dataset, tiny_args, train
 from tests.helpers.multirank import run_on_ranks
 
@@ -21,11 +21,11 @@ def data(tmp_path_factory) -> str:
 
 
 def _float_flags() -> list[str]:
-    """Every float field of every config section, as its flag."""
+    """Every float field of every shared config section and of finetuning's, as its flag."""
     flags = []
-    for section in dataclasses.fields(Configs):
-        cls = next((a for a in typing.get_args(section.type) if dataclasses.is_dataclass(a)),
-                   section.type)
+    shared = [next((a for a in typing.get_args(f.type) if dataclasses.is_dataclass(a)), f.type)
+              for f in dataclasses.fields(Configs)]
+    for cls in shared + [TASK_SECTIONS["finetune"]]:
         if not dataclasses.is_dataclass(cls):
             continue
         hints = typing.get_type_hints(cls)
