@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from megalite import checkpoint
 from megalite.checkpoint import files
+from megalite.device import current_device
 from megalite.distributed.rank_pool import run_once
 from tests.helpers.multirank import run_on_ranks
 
@@ -51,7 +52,8 @@ def _trained(hidden: int = 256):
                              "--train-iters", "10"])
     setup_parallel(configs, RunLayout.from_configs(configs, 1))
     model = build_model(configs, lambda pre_process, post_process: GPTModel(
-        configs.model, pre_process=pre_process, post_process=post_process))
+        configs.model, pre_process=pre_process, post_process=post_process,
+        device=current_device()))
     optimizer, scheduler = get_optimizer(configs.optimizer, configs.precision, model, 10)
     _random_step(model, optimizer)
     return configs, model, optimizer, scheduler
@@ -89,7 +91,7 @@ def _streamed_rises(root: str) -> dict[str, int]:
     rises["write views"] = _rise(lambda: files.write_tensors(f"{root}/views", views))
     reader = checkpoint_reader(root, checkpoint.read_meta(root))
     name = "embedding.word_embeddings.weight"
-    row = torch.empty(1, reader.entry("model", name)["shape"][1])
+    row = torch.empty(1, reader.entry("model", name)["shape"][1], device="cpu")
     rises["read row"] = _rise(lambda: reader.read_into("model", name, ((5, 0), tuple(row.shape)),
                                                        row))
     rises["row ok"] = torch.equal(row[0], state[next(k for k in state if name in k

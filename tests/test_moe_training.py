@@ -133,8 +133,10 @@ def _stats_of_two_sequence_shards() -> dict[str, float]:
     ps.initialize_model_parallel(2)
     rank = ps.get_tensor_model_parallel_rank()
     state = MoEState()
-    state.record(0, torch.tensor(1.0 + 0.2 * rank), torch.tensor(2.0 + 2 * rank),
-                 torch.tensor(1), torch.tensor([3, 1] if rank == 0 else [1, 3]))
+    on = device.current_device()
+    state.record(0, torch.tensor(1.0 + 0.2 * rank, device=on),
+                 torch.tensor(2.0 + 2 * rank, device=on), torch.tensor(1, device=on),
+                 torch.tensor([3, 1] if rank == 0 else [1, 3], device=on))
     return reduce_step_stats([state], 1, 2, 1, device.current_device(),
                              ps.get_pipeline_model_parallel_group(),
                              ps.get_data_parallel_group(with_context_parallel=True),
