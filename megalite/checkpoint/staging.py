@@ -9,7 +9,7 @@ the writer reads them in place, and the next optimizer step, the only thing that
 them (weights, masters, moments; the routers' expert bias follows the step), first waits
 for the writer, which has had the step's forward and backward to write. On a CPU run a
 copy would cost the shard's size in host memory, the very cost a streamed save avoids
-(measured in docs/checkpoint_memory.md: 1,253 MiB, 0.2 s per save once allocated), against
+(measured in docs/checkpoints.md: 1,253 MiB, 0.2 s per save once allocated), against
 a step that waits for what is left of the write; the in-place save is never slower than a
 synchronous one and adds no more memory.
 """

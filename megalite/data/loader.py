@@ -25,7 +25,7 @@ def collate_tokens(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tens
 
 def default_num_workers() -> int:
     """--num-workers when not given: 1 on CUDA; 0 on the CPU, where a worker process competes
-    with the compute threads for the cores (measured in the README)."""
+    with the compute threads for the cores (measured: docs/performance.md "Input pipeline")."""
     return 1 if device.device_type() == "cuda" else 0
 
 

@@ -9,9 +9,10 @@ names as with looped experts, and a checkpoint of one form loads into the other
 (megalite.models.sharding). The matmul backend is chosen once at construction:
 `torch._grouped_mm` on a GPU where it runs for the dtype and shapes; elsewhere one batched
 matmul over the rows padded to the busiest expert's count (torch 2.13's CPU `_grouped_mm`
-runs, but as one small matmul per expert: no faster than the loop, see README "Mixture of
-experts"), or, when padding would more than double the rows, one matmul per expert. Weight
-grads are not deferred to zero-bubble W steps here (they are with looped experts).
+runs, but as one small matmul per expert: no faster than the loop, see docs/performance.md
+"DeepSeek-V3 MoE block"), or, when padding would more than double the rows, one matmul per
+expert. Weight grads are not deferred to zero-bubble W steps here (they are with looped
+experts).
 """
 import functools
 

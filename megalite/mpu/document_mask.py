@@ -6,7 +6,8 @@ where a CP rank holds s/cp of the queries). Without CP the attention core builds
 once per microbatch, one boolean [b, 1, s, s] mask that every head and layer shares and
 SDPA takes; ring attention masks each of its blocks from the ids of the block's positions.
 (FlexAttention's block mask has no backward on the CPU in torch 2.13, and per-document
-SDPA calls need the boundaries on the host: README "Chat finetuning" has the figures.)
+SDPA calls need the boundaries on the host: docs/performance.md "Packing and the document
+mask" has the figures.)
 """
 import functools
 from dataclasses import dataclass
