@@ -32,7 +32,7 @@ from common import benchmark_parser, machine_line, median_seconds, timed, turn_o
 
 from megalite.distributed.rank_pool import RankPool
 from megalite.planning.measured import model_state_bytes
-from megalite.sharding import STRATEGY_NAMES as STRATEGIES
+from megalite.config.sharding import STRATEGY_NAMES as STRATEGIES
 from megalite.training.loop import train_step
 from megalite.training.setup import build_model, setup_parallel
 

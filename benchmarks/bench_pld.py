@@ -2,8 +2,8 @@
 wall-clock second, pretrain_gpt on the built-in corpus, one process each (CPU + gloo unless
 --device-flags say otherwise).
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_pld.py                  # the docs' run
-    PYTHONPATH=$PWD python3 benchmarks/bench_pld.py --train-iters 60 --plot ''   # quicker
+    python3 benchmarks/bench_pld.py                  # the docs' run
+    python3 benchmarks/bench_pld.py --train-iters 60 --plot ''   # quicker
 
 Both runs have the same model, data, seed and flags and run side by side, one thread each, so
 that both see the same load on a shared machine; the PLD run adds
@@ -14,7 +14,6 @@ computed (the embedding, output layer and optimizer step do not shrink).
 --plot writes validation loss against wall-clock seconds of both runs (matplotlib).
 Asserts nothing.
 """
-import argparse
 import os
 import re
 import statistics
@@ -23,6 +22,8 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from common import benchmark_parser, machine_line
 
 ITERATION = re.compile(r"iteration\s+(\d+)/.*?(?:layers computed ([0-9.]+) \| )?ms/iter (\d+)")
 VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([0-9.E+-]+)")
@@ -47,15 +48,13 @@ def run(flags: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--seq-length", type=int, default=64)
+    parser = benchmark_parser(__doc__, num_layers=8, hidden_size=128, seq_length=64)
     parser.add_argument("--train-iters", type=int, default=150)
     parser.add_argument("--theta", type=float, default=0.5)
     parser.add_argument("--gamma", type=float, default=0.03)
     parser.add_argument("--plot", default="docs/pld_validation.png")
     args = parser.parse_args()
+    print(machine_line())
     with tempfile.TemporaryDirectory() as root:
         base = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
                 "--num-attention-heads", "4", "--seq-length", str(args.seq_length),

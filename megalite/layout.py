@@ -19,7 +19,7 @@ from megalite.mpu.parallel_state import GridLayout
 from megalite.optimizer.kinds import optimizer_kind
 from megalite.optimizer.scheduler import check_decay_iters
 from megalite.schedules import ScheduleKind, resolve_schedule, schedule_kind
-from megalite.sharding import STRATEGIES, ShardingStrategy, sharding_strategy
+from megalite.config.sharding import STRATEGIES, ShardingStrategy, sharding_strategy
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class RunLayout:
     num_microbatches: int      # per step per DP rank
     seq_length: int
     sequence_parallel: bool
-    sharding: str              # --data-parallel-sharding-strategy (a megalite.sharding record)
+    sharding: str              # --data-parallel-sharding-strategy (a megalite.config.sharding record)
     cpu_offload: bool = False  # --optimizer-cpu-offload
 
     @property
@@ -102,7 +102,7 @@ class RunLayout:
 
 def check_sharding(o: OptimizerConfig, schedule: ScheduleKind) -> None:
     """One clear ValueError for an optimizer or sharding strategy the run cannot use (the
-    rules read the megalite.sharding and megalite.optimizer.kinds records)."""
+    rules read the megalite.config.sharding and megalite.optimizer.kinds records)."""
     strategy, kind = sharding_strategy(o.sharding), optimizer_kind(o.optimizer)
     flag = "--data-parallel-sharding-strategy"
     if o.use_distributed_optimizer and not strategy.shards_optimizer:

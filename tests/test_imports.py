@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "megalite"
 LOW = ["config", "mpu"]  # below the units in HIGH
 HIGH = {"megalite.schedules", "megalite.models", "megalite.training", "megalite.tasks"}
-TOP = {"config", "layout", "placement", "sharding", "device"}  # the modules everything reads
+TOP = {"config", "layout", "placement", "device"}  # the modules everything reads
 LEAVES = {f"megalite.{name}" for name in TOP - {"config", "layout"}}  # import no other unit
 # unit -> the only units it may import
 ONLY = {"megalite.config": LEAVES, "megalite.mpu": LEAVES | {"megalite.config"},

@@ -9,7 +9,7 @@ from megalite.config import ModelConfig
 from megalite.models import GPTModel
 from megalite.planning import params as param_counts
 from megalite.planning.state_bytes import gather_bytes, state_bytes_per_param, zero_bytes
-from megalite.sharding import STRATEGY_NAMES as STRATEGIES
+from megalite.config.sharding import STRATEGY_NAMES as STRATEGIES
 
 NS = (1, 2, 4, 8)
 

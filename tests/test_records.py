@@ -1,5 +1,5 @@
 """The extension records are the single source of sharding strategies and optimizers
-(megalite.sharding, megalite.optimizer.kinds), and a gradient reducer plugged in through an
+(megalite.config.sharding, megalite.optimizer.kinds), and a gradient reducer plugged in through an
 optimizer kind is what the DP buckets call (megalite.distributed.reducers).
 
 Closed forms written out here: model-state bytes per parameter on one rank are (4 + 4 + k)/N
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite import sharding
+from megalite.config import sharding
 from megalite.config import OptimizerConfig, build_parser, parse_configs
 from megalite.device import current_device
 from megalite.distributed.reducers import GradReducer, default_reducer

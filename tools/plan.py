@@ -38,7 +38,7 @@ from megalite.distributed.rank_pool import run_once
 from megalite.planning.activations import ACTIVATION_BYTES, ring_wire
 from megalite.planning.measured import fsdp_buffers, model_state_bytes
 from megalite.planning.planner import Plan, plan
-from megalite.sharding import STRATEGY_NAMES
+from megalite.config.sharding import STRATEGY_NAMES
 
 GIB = 2 ** 30
 SECTIONS = (ModelConfig, ParallelConfig, PrecisionConfig, OptimizerConfig, TrainConfig)

@@ -6,7 +6,7 @@ import torch
 
 from megalite.config.fields import Section, arg
 from megalite.placement import INTERLEAVED, ONE_F_ONE_B, PIPELINE_SCHEDULES, ZB_H1, ZBV
-from megalite.sharding import NO_SHARD, OPTIM, STRATEGIES, STRATEGY_NAMES
+from megalite.config.sharding import NO_SHARD, OPTIM, STRATEGIES, STRATEGY_NAMES
 
 
 

@@ -11,7 +11,7 @@ from megalite.distributed.reducers import ReducerFactory, default_reducer
 from megalite.distributed.wrapper import ChunkWrapper
 from megalite.models.stage import shared_embedding_params
 from megalite.mpu import comm, parallel_state
-from megalite.sharding import NO_SHARD, OPTIM
+from megalite.config.sharding import NO_SHARD, OPTIM
 
 
 class DistributedDataParallel(ChunkWrapper):

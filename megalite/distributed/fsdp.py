@@ -43,7 +43,7 @@ from megalite.distributed.wrapper import ChunkWrapper
 from megalite.models.transformer import ParallelTransformerLayer
 from megalite.moe.layer import MoELayer
 from megalite.mpu import comm, parallel_state
-from megalite.sharding import ShardingStrategy, sharding_strategy
+from megalite.config.sharding import ShardingStrategy, sharding_strategy
 
 if TYPE_CHECKING:  # imported where used: torch.distributed.tensor costs 0.7 s at start-up
     from torch.distributed.device_mesh import DeviceMesh

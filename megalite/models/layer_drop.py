@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from megalite.config import Configs
-from megalite.sharding import sharding_strategy
+from megalite.config.sharding import sharding_strategy
 from megalite.models.spec import TransformerSpec
 
 

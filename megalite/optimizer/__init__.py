@@ -23,7 +23,7 @@ as one tree, loadable under the same layout only.
 """
 from torch import nn
 
-from megalite import sharding
+from megalite.config import sharding
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.optimizer.distrib_optimizer import DistributedOptimizer, FullyShardedOptimizer
 from megalite.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -31,7 +31,7 @@ from megalite.optimizer.kinds import OPTIMIZER_KINDS, OptimizerKind, optimizer_k
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer, optimizer_settings
 from megalite.optimizer.scheduler import OptimizerParamScheduler, check_decay_iters
 
-# The class stepping each megalite.sharding.ShardingStrategy's `optimizer`.
+# The class stepping each megalite.config.sharding.ShardingStrategy's `optimizer`.
 OPTIMIZER_CLASSES: dict[str, type[MixedPrecisionOptimizer]] = {
     sharding.MIXED_PRECISION: MixedPrecisionOptimizer,
     sharding.DISTRIBUTED: DistributedOptimizer,

@@ -19,7 +19,7 @@ from megalite.mpu import parallel_state
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.grad_stats import counts_toward_norm, found_inf_anywhere, global_grad_norm
 from megalite.optimizer.kinds import OptimizerKind, optimizer_kind
-from megalite.sharding import sharding_strategy
+from megalite.config.sharding import sharding_strategy
 
 
 @dataclass

@@ -15,14 +15,14 @@ moves the optimizer state to host memory, and under FSDP2 (CPUOffloadPolicy) the
 parameters and grads too: `StateBytes.host` of the total is then in host memory.
 
 What a strategy shards, whether FSDP2 runs it and what offload moves are the fields of its
-megalite.sharding record; the optimizer's state bytes (AdamW's m, v: 8; SGD's momentum: 4)
+megalite.config.sharding record; the optimizer's state bytes (AdamW's m, v: 8; SGD's momentum: 4)
 its megalite.optimizer.kinds record's.
 """
 from dataclasses import dataclass
 
 from megalite.config import OptimizerConfig
 from megalite.optimizer.kinds import optimizer_kind
-from megalite.sharding import NO_SHARD, ShardingStrategy, sharding_strategy
+from megalite.config.sharding import NO_SHARD, ShardingStrategy, sharding_strategy
 
 FP32 = 4
 # Bytes per parameter of the model's parameters and of their grads in megalite's gradient

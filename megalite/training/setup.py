@@ -19,7 +19,7 @@ from megalite.optimizer.kinds import optimizer_kind
 from megalite.planning import params as param_counts
 from megalite.planning import planner, state_bytes
 from megalite.schedules.accounting import pipeline_summary
-from megalite.sharding import sharding_strategy
+from megalite.config.sharding import sharding_strategy
 from megalite.training.logger import log
 
 
