@@ -70,12 +70,12 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group, async_op: 
     return dist.reduce_scatter_single(output, tensor, group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group) -> None:
-    """Broadcast from global rank `src` over `group`."""
+def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
+    """Broadcast from global rank `src` over `group`; a no-op on a group of one."""
     if world_size(group) == 1:
-        return
+        return None
     _count("broadcast", tensor)
-    dist.broadcast(tensor, src=src, group=group)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
