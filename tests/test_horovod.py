@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import megalite.horovod as hvd
-from megalite.device import current_device
+from megalite.device import current_device, free_port
 from megalite.distributed.rank_pool import on_gpus
 from tests.helpers.multirank import run_on_ranks
 
@@ -208,7 +208,7 @@ def test_example_runs_under_horovodrun():
            **({} if on_gpus(RANKS) else {"CUDA_VISIBLE_DEVICES": ""})}
     job = subprocess.run(
         [sys.executable, "tools/horovodrun", "-np", str(RANKS), "-H", f"127.0.0.1:{RANKS}",
-         sys.executable, "examples/horovod/pytorch_mnist.py", "--epochs", "1",
+         "--master-port", str(free_port()), sys.executable, "examples/horovod/pytorch_mnist.py", "--epochs", "1",
          "--num-samples", "128", "--batch-size", "16", "--log-interval", "1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
