@@ -14,12 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import megalite.horovod as hvd
 from megalite.device import current_device, free_port
 from megalite.distributed.rank_pool import on_gpus
+from megalite.horovod.fusion import fusion_threshold
 from tests.helpers.multirank import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,15 +30,18 @@ FUSED_LAYERS, WIDTH = 10, 4  # FUSED_LAYERS grads of WIDTH * WIDTH fp32 each
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
+    """Built on the CPU (the same weights everywhere); rank code moves it to its device."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    return torch.nn.Sequential(torch.nn.Linear(6, 8, device="cpu"), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 3, device="cpu"))
 
 
 def _batches() -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs [STEPS, PASSES, RANKS, MICRO, 6] and targets [..., 3]."""
     generator = torch.Generator().manual_seed(7)
     shape = (STEPS, PASSES, RANKS, MICRO)
-    return torch.randn(*shape, 6, generator=generator), torch.randn(*shape, 3, generator=generator)
+    return (torch.randn(*shape, 6, generator=generator, device="cpu"),
+            torch.randn(*shape, 3, generator=generator, device="cpu"))
 
 
 def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -102,8 +107,8 @@ def _fusion_counts(thresholds: list[str | None]) -> list[list[tuple[int, int]]]:
     for threshold in thresholds:
         with _fusion_threshold(threshold):
             torch.manual_seed(0)
-            model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False)
-                                          for _ in range(FUSED_LAYERS))).to(device)
+            model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False, device=device)
+                                          for _ in range(FUSED_LAYERS)))
             optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
             with hvd.count_collectives() as issued:
                 model(torch.ones(2, WIDTH, device=device)).sum().backward()
@@ -129,7 +134,7 @@ def test_tensor_fusion_packs_as_many_grads_as_the_threshold_allows():
 def _fp16_allreduce() -> dict:
     hvd.init()
     generator = torch.Generator().manual_seed(100 + hvd.rank())
-    values = torch.randn(1000, generator=generator) * 10
+    values = torch.randn(1000, generator=generator, device="cpu") * 10
     with hvd.count_collectives() as issued:
         got = hvd.allreduce(values.to(current_device()), compression=hvd.Compression.fp16)
     return {"values": values, "mean": got, "bytes": [c.bytes for c in issued]}
@@ -152,15 +157,16 @@ def test_fp16_compression_stays_within_fp16_rounding():
 def _broadcasts() -> dict:
     """Each rank starts from its own weights and optimizer state, then takes rank 1's."""
     hvd.init()
-    model = _model(seed=hvd.rank())
+    device = current_device()
+    model = _model(seed=hvd.rank()).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01 * (hvd.rank() + 1))
-    F.mse_loss(model(torch.randn(4, 6)), torch.randn(4, 3)).backward()
+    F.mse_loss(model(torch.randn(4, 6, device=device)), torch.randn(4, 3, device=device)).backward()
     optimizer.step()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state_before = optimizer.state_dict()
     hvd.broadcast_parameters(model.state_dict(), root_rank=1)
     hvd.broadcast_optimizer_state(optimizer, root_rank=1)
-    gathered = hvd.allgather(torch.full((hvd.rank() + 1, 2), float(hvd.rank())))
+    gathered = hvd.allgather(torch.full((hvd.rank() + 1, 2), float(hvd.rank()), device=device))
     return {"before": before, "after": model.state_dict(), "state_before": state_before,
             "state_after": optimizer.state_dict(), "gathered": gathered,
             "object": hvd.broadcast_object({"rank": hvd.rank()}, root_rank=2),
@@ -203,13 +209,28 @@ def test_join_lets_ranks_with_less_data_stop_early():
         assert result["last"] == RANKS - 1
 
 
+def test_unsupported_arguments_and_bad_settings_are_one_clear_error(monkeypatch):
+    optimizer = torch.optim.SGD(_model().parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError, match="Adasum is not supported"):
+        hvd.DistributedOptimizer(optimizer, op=hvd.Adasum)
+    with pytest.raises(NotImplementedError, match="process sets are not supported"):
+        hvd.DistributedOptimizer(optimizer, process_set=object())
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
+    with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='64MB': expected a byte"):
+        fusion_threshold()
+    job = subprocess.run([sys.executable, "tools/horovodrun", "-np", "5", "-H", "127.0.0.1:4",
+                          "python", "x.py"], cwd=ROOT, capture_output=True, text=True)
+    assert job.returncode != 0
+    assert job.stderr.strip() == "horovodrun: -np 5 but the hosts give 4 slots"
+
+
 def test_example_runs_under_horovodrun():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            **({} if on_gpus(RANKS) else {"CUDA_VISIBLE_DEVICES": ""})}
     job = subprocess.run(
         [sys.executable, "tools/horovodrun", "-np", str(RANKS), "-H", f"127.0.0.1:{RANKS}",
-         "--master-port", str(free_port()), sys.executable, "examples/horovod/pytorch_mnist.py", "--epochs", "1",
-         "--num-samples", "128", "--batch-size", "16", "--log-interval", "1"],
+         "--master-port", str(free_port()), sys.executable, "examples/horovod/pytorch_mnist.py",
+         "--epochs", "1", "--num-samples", "128", "--batch-size", "16", "--log-interval", "1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
     # 128 samples over 4 ranks: 32 each, 2 batches of 16 per rank, logged on every rank
