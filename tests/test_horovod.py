@@ -5,11 +5,14 @@ the mean loss of the whole batch; Tensor Fusion packs threshold // bytes-per-gra
 collective (counted); fp16 compression stays within fp16 rounding of the exact mean and sends
 2 bytes per element; broadcast_parameters and broadcast_optimizer_state make every rank equal
 to the root's; allgather with uneven rows, broadcast_object and join follow Horovod's
-semantics. Last, the tutorial-shaped example runs under `tools/horovodrun -np 4`.
+semantics. Without ranks: the launcher's HOROVOD_* variables and init's node layout match a
+layout worked out by hand, and refused arguments or bad settings are one clear error. Last, the
+tutorial-shaped example runs under `tools/horovodrun -np 4` on 127.0.0.1.
 """
 import contextlib
 import math
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 import megalite.horovod as hvd
 from megalite.device import current_device, free_port
 from megalite.distributed.rank_pool import on_gpus
+from megalite.horovod.basics import node_layout
 from megalite.horovod.fusion import fusion_threshold
 from tests.helpers.multirank import run_on_ranks
 
@@ -207,6 +211,22 @@ def test_join_lets_ranks_with_less_data_stop_early():
         assert result["sums"] == [len(ranks) for ranks in active]
         assert result["means"] == [sum(ranks) / len(ranks) for ranks in active]
         assert result["last"] == RANKS - 1
+
+
+def test_launcher_env_and_init_agree_on_the_node_layout():
+    """-H a:2,b:3: (local_rank, local_size, cross_rank, cross_size) per rank, by hand."""
+    want = [(0, 2, 0, 2), (1, 2, 0, 2), (0, 3, 1, 2), (1, 3, 1, 2), (2, 3, 0, 1)]
+    hosts = ["a", "a", "b", "b", "b"]
+    assert [node_layout(hosts, rank) for rank in range(5)] == want
+    job = subprocess.run([sys.executable, "tools/horovodrun", "-np", "5", "-H", "a:2,b:3",
+                          "--dry-run", "python", "x.py"], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
+    names = ["LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"]
+    for rank, line in enumerate(job.stdout.splitlines()):
+        env = dict(item.split("=", 1) for item in shlex.split(line)[-1].split()
+                   if item.startswith("HOROVOD_"))
+        assert env["HOROVOD_RANK"] == str(rank) and env["HOROVOD_HOSTNAME"] == hosts[rank]
+        assert tuple(int(env[f"HOROVOD_{name}"]) for name in names) == want[rank], line
 
 
 def test_unsupported_arguments_and_bad_settings_are_one_clear_error(monkeypatch):
