@@ -141,10 +141,29 @@ def _fp16_allreduce() -> dict:
     values = torch.randn(1000, generator=generator, device="cpu") * 10
     with hvd.count_collectives() as issued:
         got = hvd.allreduce(values.to(current_device()), compression=hvd.Compression.fp16)
-    return {"values": values, "mean": got, "bytes": [c.bytes for c in issued]}
+    model = _model().to(current_device())
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         compression=hvd.Compression.fp16)
+    inputs, targets = (t[0, 0, hvd.rank()].to(current_device()) for t in _batches())
+    F.mse_loss(model(inputs), targets).backward()
+    optimizer.synchronize()
+    return {"values": values, "mean": got, "bytes": [c.bytes for c in issued],
+            "grads": [p.grad for p in model.parameters()]}
+
+
+def _rank_grads() -> list[list[torch.Tensor]]:
+    """Each rank's fp32 gradients of _fp16_allreduce's loss, computed here."""
+    inputs, targets = _batches()
+    grads = []
+    for rank in range(RANKS):
+        model = _model()
+        F.mse_loss(model(inputs[0, 0, rank]), targets[0, 0, rank]).backward()
+        grads.append([p.grad for p in model.parameters()])
+    return grads
 
 
 def test_fp16_compression_stays_within_fp16_rounding():
+    """hvd.allreduce and DistributedOptimizer with Compression.fp16."""
     results = run_on_ranks(RANKS, _fp16_allreduce)
     values = torch.stack([r["values"] for r in results]).double()
     exact = values.mean(0)
@@ -156,6 +175,12 @@ def test_fp16_compression_stays_within_fp16_rounding():
         assert result["bytes"] == [1000 * 2]  # fp16 on the wire
         assert ((result["mean"].double() - exact).abs() <= bound).all()
         assert not torch.equal(result["mean"], exact.float())  # it really went through fp16
+    for index, per_rank in enumerate(zip(*_rank_grads())):
+        grads = torch.stack(per_rank).double()
+        exact = grads.mean(0)
+        bound = 2.0**-11 * (grads.abs().sum(0) + exact.abs()) + 1e-7  # + fp32 backward noise
+        for result in results:
+            assert ((result["grads"][index].double() - exact).abs() <= bound).all(), index
 
 
 def _broadcasts() -> dict:
