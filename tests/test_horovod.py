@@ -58,8 +58,9 @@ def _train_on_ranks(kind: str) -> dict:
     """STEPS steps of PASSES backward passes each on this rank's microbatches."""
     hvd.init()
     model = _model().to(current_device())
-    optimizer = hvd.DistributedOptimizer(_optimizer(kind, model), model.named_parameters(),
-                                         backward_passes_per_step=PASSES)
+    optimizer = hvd.DistributedOptimizer(  # Adam's grads also go through the predivide split
+        _optimizer(kind, model), model.named_parameters(), backward_passes_per_step=PASSES,
+        gradient_predivide_factor=2.0 if kind == "adam" else 1.0)
     inputs, targets = (t.to(current_device()) for t in _batches())
     for step in range(STEPS):
         for micro in range(PASSES):
