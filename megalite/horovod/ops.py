@@ -11,7 +11,7 @@ import torch
 
 from megalite.horovod import basics, fusion, protocol
 from megalite.horovod.basics import topology
-from megalite.horovod.compression import Compression, NoneCompressor
+from megalite.horovod.compression import Compression
 from megalite.horovod.fusion import Handle
 from megalite.horovod.protocol import Adasum, Average, Sum
 from megalite.mpu import comm
@@ -83,7 +83,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 
 
 def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
-                      name: str | None = None, compression=NoneCompressor, op: int | None = None,
+                      name: str | None = None, compression=Compression.none, op: int | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set=None) -> list[torch.Tensor]:
     """`allreduce` of each tensor, submitted together so that they fuse."""
