@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.distributed.reducers import ReducerFactory, default_reducer
+from megalite.optimizer import muon
 
 FP32_BYTES = 4  # optimizer state is kept in fp32, like the masters it steps
 
@@ -34,11 +35,25 @@ class OptimizerKind:
     state_keys: Callable[[object], tuple[str, ...]]      # per-element state of a parameter
     scalar_keys: tuple[str, ...] = ()                    # per-parameter scalars (Adam's step)
     reducer: ReducerFactory = default_reducer            # how DP buckets' grads travel
+    # (fragments, config) -> the param groups `build` takes (megalite.optimizer.optimizer's
+    # Fragment: main, model_param); and, once built, `attach(torch optimizer, owner)` tells the
+    # torch optimizer where its parameters live (the MixedPrecisionOptimizer `owner`)
+    param_groups: Callable[[list, object], list[dict]] = lambda f, c: weight_decay_groups(f, c)
+    attach: Callable[[torch.optim.Optimizer, object], None] = lambda optimizer, owner: None
 
     def state_bytes(self, config) -> int:
         """Bytes of optimizer state per parameter (fp32 per state key): Adam 8, SGD 4 with
         momentum, else 0."""
         return FP32_BYTES * len(self.state_keys(config))
+
+
+def weight_decay_groups(fragments: list, config) -> list[dict]:
+    """Two groups of the fragments' main params: with weight decay, and without for 1-D params
+    (biases, norms)."""
+    return [{"params": [f.main for f in fragments if f.model_param.ndim > 1],
+             "weight_decay": config.weight_decay},
+            {"params": [f.main for f in fragments if f.model_param.ndim <= 1],
+             "weight_decay": 0.0}]
 
 
 def build_adamw(groups: list[dict], config) -> torch.optim.Optimizer:
@@ -79,7 +94,25 @@ ADAM = OptimizerKind("adam", build_adamw, lambda config: ("exp_avg", "exp_avg_sq
                      scalar_keys=("step",))
 SGD = OptimizerKind("sgd", build_sgd,
                     lambda config: ("momentum_buffer",) if config.sgd_momentum else ())
-OPTIMIZER_KINDS = (ADAM, SGD)
+
+
+class MuonKind(OptimizerKind):
+    """Muon's record: its state is the momentum of the 2-D hidden weights (4 bytes per
+    parameter, the planner's figure) and AdamW's two moments of the rest (embeddings, output
+    layer, norms, biases: 8 bytes each, which the per-parameter figure leaves out)."""
+
+    def state_bytes(self, config) -> int:
+        return FP32_BYTES
+
+
+def build_muon(groups: list[dict], config) -> torch.optim.Optimizer:
+    return muon.Muon(groups, config, build_adamw)
+
+
+MUON = MuonKind("muon", build_muon, lambda config: ("momentum_buffer", "exp_avg", "exp_avg_sq"),
+                scalar_keys=("step",), param_groups=muon.muon_param_groups,
+                attach=muon.Muon.attach)
+OPTIMIZER_KINDS = (ADAM, SGD, MUON)
 
 
 def optimizer_kind(name: str) -> OptimizerKind:
