@@ -94,6 +94,9 @@ class OptimizerConfig(Section):
     muon_coefficient_type: str = arg("quintic", "Muon: Newton-Schulz coefficients (simple: "
                                      "torch.optim.Muon's one set)",
                                      choices=("simple", "quintic", "polar_express"))
+    muon_fp32_matmul_prec: str = arg("medium", "Muon: Newton-Schulz matmuls in bf16 (medium, "
+                                     "torch.optim.Muon's) or fp32 (high, highest)",
+                                     choices=("medium", "high", "highest"))
     clip_grad: float = arg(1.0, "clip the global grad L2 norm to this (0: off)", min=0.0)
     use_distributed_optimizer: bool = arg(
         False, "shard optimizer state over DP (ZeRO-1): --data-parallel-sharding-strategy optim")

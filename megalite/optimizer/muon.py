@@ -5,7 +5,8 @@ Per hidden weight W (m x n) and step, as torch.optim.Muon and Megatron-core's Mu
 
     B <- mu B + (1 - mu) G                          (momentum_buffer, per element)
     U <- (1 - mu) G + mu B  (Nesterov), else B
-    O <- NS_k(U)            k Newton-Schulz iterations in bf16 on U / ||U||_F
+    O <- NS_k(U)            k Newton-Schulz iterations on U / ||U||_F (bf16 operands, as
+                            torch.optim.Muon; fp32 with --muon-fp32-matmul-prec high/highest)
     W <- (1 - lr wd) W - lr s O    s: --muon-scale-mode of (m, n) x --muon-extra-scale-factor
 
 Newton-Schulz needs the whole matrix, so the elementwise momentum runs on this rank's piece
@@ -45,10 +46,10 @@ COEFFICIENTS = {  # (a, b, c) per iteration, cycled (Megatron / emerging_optimiz
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients: list[tuple[float, float, float]],
-                  steps: int) -> torch.Tensor:
-    """The orthogonalised [m, n] `matrix` (bf16): `steps` quintic iterations X <- aX + (bA +
-    cA^2)X, A = XX^T, on the wide orientation, from X = matrix / ||matrix||_F."""
-    x = matrix.bfloat16()
+                  steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The orthogonalised [m, n] `matrix` (in `dtype`): `steps` quintic iterations X <- aX +
+    (bA + cA^2)X, A = XX^T, on the wide orientation, from X = matrix / ||matrix||_F."""
+    x = matrix.to(dtype)
     tall = matrix.size(0) > matrix.size(1)
     if tall:
         x = x.T
@@ -85,7 +86,8 @@ def orthogonalize(full: torch.Tensor, fused: tuple[int, int], group: dict
     shape)."""
     parts = split_fused(full, fused)
     coefficients = COEFFICIENTS[group["coefficient_type"]]
-    ortho = [newton_schulz(p, coefficients, group["ns_steps"]) for p in parts]
+    dtype = torch.bfloat16 if group["fp32_matmul_prec"] == "medium" else torch.float32
+    ortho = [newton_schulz(p, coefficients, group["ns_steps"], dtype) for p in parts]
     scale = scale_factor(*parts[0].shape, group["scale_mode"], group["extra_scale_factor"])
     return join_fused(ortho, fused), scale
 
@@ -134,6 +136,7 @@ class Muon(torch.optim.Optimizer):
                              ns_steps=config.muon_num_ns_steps,
                              coefficient_type=config.muon_coefficient_type,
                              scale_mode=config.muon_scale_mode,
+                             fp32_matmul_prec=config.muon_fp32_matmul_prec,
                              extra_scale_factor=config.muon_extra_scale_factor)
         muon = [{**muon_defaults, "lr": config.lr, **g} for g in groups if g.get("muon")]
         self._adamw = build_adamw([g for g in groups if not g.get("muon")], config)
@@ -182,7 +185,7 @@ class Muon(torch.optim.Optimizer):
                 p.add_(ortho.view_as(p), alpha=-group["lr"] * scale)
 
     def _orthogonalized(self, updates: dict, group: dict) -> dict:
-        """{param: (its piece of the orthogonalised whole weight, bf16; the scale)}."""
+        """{param: (its piece of the orthogonalised whole weight; the scale)}."""
         if self.matrices is None:  # built alone: every tensor is a whole weight
             return {p: orthogonalize(u, getattr(p, "fused_matrices", (1, 1)), group)
                     for p, u in updates.items()}
