@@ -84,7 +84,8 @@ def main() -> None:
                 "--hidden-dropout", "0", "--attention-dropout", "0",
                 "--data-cache-dir", f"{root}/cache"]
         for name in names:
-            flags = base + ["--optimizer", name, *OWN_FLAGS.get(name, lambda f: [])(freeze)]
+            flags = base + ["--optimizer", name, "--save", f"{root}/{name}",
+                            *OWN_FLAGS.get(name, lambda f: [])(freeze)]
             runs[name] = pool.run(train_counted, flags)[0]
             print(f"{name}: final validation loss {runs[name]['validations'][-1][1]:.4f}",
                   flush=True)

@@ -1,14 +1,16 @@
 """The optimizers (`--optimizer`), one `OptimizerKind` record each.
 
-A record says how to build the torch optimizer over megalite's two parameter groups (with
-and without weight decay), which per-element state it keeps per parameter (fp32, beside the
-fp32 master: the planner's bytes per parameter and the checkpoint's "optim.<key>" kinds) and
-which per-parameter scalars (saved in the checkpoint index), and how a DP bucket's grads
-travel (`reducer`, megalite.distributed.reducers: a compressed all-reduce with error
-feedback is a new reducer named here). get_optimizer, the planner (megalite.planning), the
-checkpoint state mapping (megalite.checkpoint.state), the DP wrapper's set-up
-(megalite.training.setup) and the layout checks read the records; adding an optimizer is one
-record in OPTIMIZER_KINDS plus its build function.
+A record says how to build the torch optimizer over megalite's parameter groups (by default
+two: with and without weight decay), which per-element state it keeps per parameter (fp32,
+beside the fp32 master: the planner's bytes per parameter and the checkpoint's "optim.<key>"
+kinds) and which per-parameter scalars (saved in the checkpoint index), and how a DP bucket's
+grads travel (`reducer`, megalite.distributed.reducers: a compressed all-reduce with error
+feedback is a new reducer named here). An optimizer that needs whole weights (Muon,
+megalite.optimizer.muon) groups the parameters its own way and gets, by `attach`, the
+MixedPrecisionOptimizer that knows where each weight's pieces are. get_optimizer, the planner
+(megalite.planning), the checkpoint state mapping (megalite.checkpoint.state), the DP
+wrapper's set-up (megalite.training.setup) and the layout checks read the records; adding an
+optimizer is one record in OPTIMIZER_KINDS plus its build function.
 
 megalite.config sits below this package (tests/test_imports.py), so `--optimizer` takes any
 name and `optimizer_kind` refuses an unknown one with one line: megalite.layout calls it
@@ -26,6 +28,15 @@ from megalite.optimizer import muon
 FP32_BYTES = 4  # optimizer state is kept in fp32, like the masters it steps
 
 
+def weight_decay_groups(fragments: list, config) -> list[dict]:
+    """Two groups of the fragments' main params: with weight decay, and without for 1-D params
+    (biases, norms)."""
+    return [{"params": [f.main for f in fragments if f.model_param.ndim > 1],
+             "weight_decay": config.weight_decay},
+            {"params": [f.main for f in fragments if f.model_param.ndim <= 1],
+             "weight_decay": 0.0}]
+
+
 @dataclass(frozen=True)
 class OptimizerKind:
     """One optimizer, as a record (see the module docstring). `config` is an OptimizerConfig."""
@@ -38,22 +49,13 @@ class OptimizerKind:
     # (fragments, config) -> the param groups `build` takes (megalite.optimizer.optimizer's
     # Fragment: main, model_param); and, once built, `attach(torch optimizer, owner)` tells the
     # torch optimizer where its parameters live (the MixedPrecisionOptimizer `owner`)
-    param_groups: Callable[[list, object], list[dict]] = lambda f, c: weight_decay_groups(f, c)
+    param_groups: Callable[[list, object], list[dict]] = weight_decay_groups
     attach: Callable[[torch.optim.Optimizer, object], None] = lambda optimizer, owner: None
 
     def state_bytes(self, config) -> int:
         """Bytes of optimizer state per parameter (fp32 per state key): Adam 8, SGD 4 with
         momentum, else 0."""
         return FP32_BYTES * len(self.state_keys(config))
-
-
-def weight_decay_groups(fragments: list, config) -> list[dict]:
-    """Two groups of the fragments' main params: with weight decay, and without for 1-D params
-    (biases, norms)."""
-    return [{"params": [f.main for f in fragments if f.model_param.ndim > 1],
-             "weight_decay": config.weight_decay},
-            {"params": [f.main for f in fragments if f.model_param.ndim <= 1],
-             "weight_decay": 0.0}]
 
 
 def build_adamw(groups: list[dict], config) -> torch.optim.Optimizer:
