@@ -11,10 +11,11 @@ Llama-like (GQA 2 groups, SwiGLU, RMSNorm; plain momentum, spectral x 0.2 = torc
 Layouts: pretrain_gpt's loss curve at PP2 x DP2, ZeRO-1 and ZeRO-3 (each at TP2 x DP2: the TP
 gather and the DP pieces together) equals the single-process one (fp32 with fp32
 Newton-Schulz, dropout off, 1e-5 relative: summation order; ~1e-7 seen, while orthogonalising
-each TP shard on its own instead misses by 3e-3). The ZeRO-1 run, stopped by SIGTERM after step 1 and resumed,
-continues bit for bit (momentum buffers and AdamW moments come back from the checkpoint); its
-checkpoint loaded into ZeRO-3 at PP2 x DP2 (the state resharded from TP-split flat ranges to
-FSDP row shards) continues the one-process curve (iteration 3's loss depends on the momentum).
+each TP shard on its own instead misses by 3e-3). The ZeRO-1 run, stopped by SIGTERM after
+step 1 and resumed, continues bit for bit (momentum buffers and AdamW moments come back from
+the checkpoint); its checkpoint loaded into ZeRO-3 at PP2 x DP2 (the state resharded from
+TP-split flat ranges to FSDP row shards) continues the one-process curve (iteration 3's loss
+depends on the momentum).
 """
 import torch
 
