@@ -68,7 +68,8 @@ class OptimizerConfig(Section):
     """Optimizer, learning-rate schedule, clipping and the data-parallel gradient buffer."""
 
     optimizer: str = arg("adam", "an OptimizerKind of megalite/optimizer/kinds.py, by name "
-                         "(adam: AdamW, decoupled weight decay)")
+                         "(adam: AdamW, decoupled weight decay; muon: Muon on the 2-D hidden "
+                         "weights, AdamW on the rest)")
     lr: float = arg(6e-4, "peak learning rate", min=0.0)
     min_lr: float = arg(0.0, "learning rate at the end of decay (at most --lr)", min=0.0)
     lr_decay_style: str = arg("cosine", "decay after warm-up",
@@ -80,6 +81,22 @@ class OptimizerConfig(Section):
     adam_beta2: float = arg(0.95, "Adam beta2", min=0.0, below=1.0)
     adam_eps: float = arg(1e-8, "Adam epsilon", above=0.0)
     sgd_momentum: float = arg(0.9, "SGD momentum", min=0.0)
+    muon_momentum: float = arg(0.95, "Muon momentum (--optimizer muon)", min=0.0, below=1.0)
+    muon_nesterov: bool = arg(True, "Muon: Nesterov momentum, as torch.optim.Muon",
+                              aliases=("--muon-use-nesterov",), negatable=True)
+    muon_num_ns_steps: int = arg(5, "Muon: Newton-Schulz iterations", min=1, below=100)
+    muon_scale_mode: str = arg("spectral", "Muon: update scale of an m x n matrix: spectral "
+                               "sqrt(max(m, n)), unit_rms_norm sqrt(m / n), shape_scaling "
+                               "sqrt(max(1, m / n))",
+                               choices=("spectral", "unit_rms_norm", "shape_scaling"))
+    muon_extra_scale_factor: float = arg(1.0, "Muon: extra factor on the update (0.2 with "
+                                         "spectral matches AdamW's update RMS)", above=0.0)
+    muon_coefficient_type: str = arg("quintic", "Muon: Newton-Schulz coefficients (simple: "
+                                     "torch.optim.Muon's one set)",
+                                     choices=("simple", "quintic", "polar_express"))
+    muon_fp32_matmul_prec: str = arg("medium", "Muon: Newton-Schulz matmuls in bf16 (medium, "
+                                     "torch.optim.Muon's) or fp32 (high, highest)",
+                                     choices=("medium", "high", "highest"))
     clip_grad: float = arg(1.0, "clip the global grad L2 norm to this (0: off)", min=0.0)
     use_distributed_optimizer: bool = arg(
         False, "shard optimizer state over DP (ZeRO-1): --data-parallel-sharding-strategy optim")

@@ -18,7 +18,9 @@ def _learned_embedding(rows: int, config: ModelConfig, init_seed: int, key: str,
     with init_scope(init_seed, key) as generator:
         nn.init.normal_(weight, generator=generator)
         init_method_normal(config.init_method_std)(weight)
-    return nn.Embedding.from_pretrained(weight.to(device), freeze=False)
+    embedding = nn.Embedding.from_pretrained(weight.to(device), freeze=False)
+    embedding.weight.is_embedding_or_output_parameter = True  # not a hidden matrix (Muon)
+    return embedding
 
 
 class Embedding(nn.Module):

@@ -131,11 +131,14 @@ class ParallelAttention(nn.Module):
         if self.fused_qkv:
             self.query_key_value = ColumnParallelLinear(hidden_size, 3 * num_attention_heads * d,
                                                         bias=qkv_bias, **kw)
+            # rows [head: q, k, v]: Q, K and V are separate matrices (megalite.optimizer.muon)
+            self.query_key_value.weight.fused_matrices = (num_attention_heads, 3)
         else:
             self.query = ColumnParallelLinear(hidden_size, num_attention_heads * d, bias=qkv_bias,
                                               **kw)
             self.key_value = ColumnParallelLinear(hidden_size, 2 * groups * d, bias=qkv_bias,
                                                   tp_replicas=max(tp // groups, 1), **kw)
+            self.key_value.weight.fused_matrices = (groups, 2)  # rows [group: k, v]
         self.dense = RowParallelLinear(num_attention_heads * d, hidden_size, bias=output_bias,
                                        input_is_parallel=True, init_method=output_init_method,
                                        group=group, params_dtype=params_dtype, device=device,

@@ -266,6 +266,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_padding_rows = per_rank - num_real
         self.weight.unpadded_rows = num_embeddings
         self.weight.local_padding_rows = self.num_padding_rows
+        self.weight.is_embedding_or_output_parameter = True  # not a hidden matrix (Muon)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight.shape[0] == self.padded_num_embeddings:

@@ -32,6 +32,8 @@ class ParallelMLP(nn.Module):
         self.dense_h_to_4h = ColumnParallelLinear(
             hidden_size, 2 * ffn_hidden_size if gated else ffn_hidden_size,
             init_method=init_method, stride=2 if gated else 1, **kw)
+        if gated:  # [gate; up]: two matrices (megalite.optimizer.muon)
+            self.dense_h_to_4h.weight.fused_matrices = (1, 2)
         self.dense_4h_to_h = RowParallelLinear(ffn_hidden_size, hidden_size,
                                                input_is_parallel=True,
                                                init_method=output_init_method, **kw)

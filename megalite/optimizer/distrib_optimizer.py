@@ -9,6 +9,8 @@ every bucket's params over DP. Grad statistics (norm, overflow) are reduced over
 DP group and then the model-parallel group, since each rank sees only its shard.
 FullyShardedOptimizer steps the shards of fully sharded chunks (ZeRO-2/3) in place.
 """
+from torch import nn
+
 from megalite.distributed.fsdp import fsdp_shard_start
 from megalite.mpu import parallel_state
 from megalite.optimizer.optimizer import Fragment, MixedPrecisionOptimizer
@@ -32,6 +34,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                                          buffer.grad_data[a:b], a - start,
                                                          self.host))
         return fragments
+
+    def param_shards(self) -> list[tuple[nn.Parameter, object]]:
+        """Each bucket's params with the bucket's DP group (its ranks own disjoint ranges)."""
+        return [(param, bucket.group) for chunk in self.model_chunks
+                for buffer in chunk.grad_buffers for bucket in buffer.buckets
+                for param in bucket.params]
 
     def _stats_groups(self) -> list:
         return [self.model_chunks[0].data_parallel_group,
@@ -59,6 +67,11 @@ class FullyShardedOptimizer(DistributedOptimizer):
         return [Fragment(p, p.detach().to_local(), p.main_grad, None,
                          fsdp_shard_start(p, flat=True))
                 for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad]
+
+    def param_shards(self) -> list[tuple[nn.Parameter, object]]:
+        """Each parameter with its FSDP mesh's group (DP x CP; experts: expert-DP)."""
+        return [(p, p.device_mesh.get_group()) for chunk in self.model_chunks
+                for p in chunk.parameters() if p.requires_grad]
 
     def _copy_main_to_model(self) -> None:
         """Nothing: the masters are the sharded params."""

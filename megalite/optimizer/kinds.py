@@ -1,14 +1,16 @@
 """The optimizers (`--optimizer`), one `OptimizerKind` record each.
 
-A record says how to build the torch optimizer over megalite's two parameter groups (with
-and without weight decay), which per-element state it keeps per parameter (fp32, beside the
-fp32 master: the planner's bytes per parameter and the checkpoint's "optim.<key>" kinds) and
-which per-parameter scalars (saved in the checkpoint index), and how a DP bucket's grads
-travel (`reducer`, megalite.distributed.reducers: a compressed all-reduce with error
-feedback is a new reducer named here). get_optimizer, the planner (megalite.planning), the
-checkpoint state mapping (megalite.checkpoint.state), the DP wrapper's set-up
-(megalite.training.setup) and the layout checks read the records; adding an optimizer is one
-record in OPTIMIZER_KINDS plus its build function.
+A record says how to build the torch optimizer over megalite's parameter groups (by default
+two: with and without weight decay), which per-element state it keeps per parameter (fp32,
+beside the fp32 master: the planner's bytes per parameter and the checkpoint's "optim.<key>"
+kinds) and which per-parameter scalars (saved in the checkpoint index), and how a DP bucket's
+grads travel (`reducer`, megalite.distributed.reducers: a compressed all-reduce with error
+feedback is a new reducer named here). An optimizer that needs whole weights (Muon,
+megalite.optimizer.muon) groups the parameters its own way and gets, by `attach`, the
+MixedPrecisionOptimizer that knows where each weight's pieces are. get_optimizer, the planner
+(megalite.planning), the checkpoint state mapping (megalite.checkpoint.state), the DP
+wrapper's set-up (megalite.training.setup) and the layout checks read the records; adding an
+optimizer is one record in OPTIMIZER_KINDS plus its build function.
 
 megalite.config sits below this package (tests/test_imports.py), so `--optimizer` takes any
 name and `optimizer_kind` refuses an unknown one with one line: megalite.layout calls it
@@ -21,8 +23,18 @@ from dataclasses import dataclass
 import torch
 
 from megalite.distributed.reducers import ReducerFactory, default_reducer
+from megalite.optimizer import muon
 
 FP32_BYTES = 4  # optimizer state is kept in fp32, like the masters it steps
+
+
+def weight_decay_groups(fragments: list, config) -> list[dict]:
+    """Two groups of the fragments' main params: with weight decay, and without for 1-D params
+    (biases, norms)."""
+    return [{"params": [f.main for f in fragments if f.model_param.ndim > 1],
+             "weight_decay": config.weight_decay},
+            {"params": [f.main for f in fragments if f.model_param.ndim <= 1],
+             "weight_decay": 0.0}]
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,11 @@ class OptimizerKind:
     state_keys: Callable[[object], tuple[str, ...]]      # per-element state of a parameter
     scalar_keys: tuple[str, ...] = ()                    # per-parameter scalars (Adam's step)
     reducer: ReducerFactory = default_reducer            # how DP buckets' grads travel
+    # (fragments, config) -> the param groups `build` takes (megalite.optimizer.optimizer's
+    # Fragment: main, model_param); and, once built, `attach(torch optimizer, owner)` tells the
+    # torch optimizer where its parameters live (the MixedPrecisionOptimizer `owner`)
+    param_groups: Callable[[list, object], list[dict]] = weight_decay_groups
+    attach: Callable[[torch.optim.Optimizer, object], None] = lambda optimizer, owner: None
 
     def state_bytes(self, config) -> int:
         """Bytes of optimizer state per parameter (fp32 per state key): Adam 8, SGD 4 with
@@ -79,7 +96,25 @@ ADAM = OptimizerKind("adam", build_adamw, lambda config: ("exp_avg", "exp_avg_sq
                      scalar_keys=("step",))
 SGD = OptimizerKind("sgd", build_sgd,
                     lambda config: ("momentum_buffer",) if config.sgd_momentum else ())
-OPTIMIZER_KINDS = (ADAM, SGD)
+
+
+class MuonKind(OptimizerKind):
+    """Muon's record: its state is the momentum of the 2-D hidden weights (4 bytes per
+    parameter, the planner's figure) and AdamW's two moments of the rest (embeddings, output
+    layer, norms, biases: 8 bytes each, which the per-parameter figure leaves out)."""
+
+    def state_bytes(self, config) -> int:
+        return FP32_BYTES
+
+
+def build_muon(groups: list[dict], config) -> torch.optim.Optimizer:
+    return muon.Muon(groups, config, build_adamw)
+
+
+MUON = MuonKind("muon", build_muon, lambda config: ("momentum_buffer", "exp_avg", "exp_avg_sq"),
+                scalar_keys=("step",), param_groups=muon.muon_param_groups,
+                attach=muon.Muon.attach)
+OPTIMIZER_KINDS = (ADAM, SGD, MUON)
 
 
 def optimizer_kind(name: str) -> OptimizerKind:

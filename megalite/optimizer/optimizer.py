@@ -54,13 +54,9 @@ class Fragment:
 
 def build_torch_optimizer(kind: OptimizerKind, config: OptimizerConfig,
                           fragments: list[Fragment]) -> torch.optim.Optimizer:
-    """`kind`'s torch optimizer over two groups: with weight decay, and without for 1-D params
-    (biases, norms)."""
-    groups = [{"params": [f.main for f in fragments if f.model_param.ndim > 1],
-               "weight_decay": config.weight_decay},
-              {"params": [f.main for f in fragments if f.model_param.ndim <= 1],
-               "weight_decay": 0.0}]
-    return kind.build(groups, config)
+    """`kind`'s torch optimizer over its param groups of the fragments' main params (by
+    default two: with weight decay, and without for 1-D params: biases, norms)."""
+    return kind.build(kind.param_groups(fragments, config), config)
 
 
 # Keys of a param group that describe the implementation, not the optimization: left out
@@ -123,11 +119,18 @@ class MixedPrecisionOptimizer:
         self.kind = optimizer_kind(config.optimizer)
         self.fragments = self._build_fragments()
         self.optimizer = build_torch_optimizer(self.kind, config, self.fragments)
+        self.kind.attach(self.optimizer, self)
         self._grad_norm: torch.Tensor | None = None  # on the device, from grad_stats()
 
     def _build_fragments(self) -> list[Fragment]:
         return [Fragment.of(p, p.detach(), p.main_grad)
                 for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad]
+
+    def param_shards(self) -> list[tuple[nn.Parameter, object]]:
+        """Every trainable parameter of this rank's chunks, in an order the DP ranks share, with
+        the DP group its fragments are split over (None: this rank steps it whole)."""
+        return [(p, None) for chunk in self.model_chunks for p in chunk.parameters()
+                if p.requires_grad]
 
     def _stats_groups(self) -> list:
         """Where grad statistics are reduced: every rank of this model replica."""

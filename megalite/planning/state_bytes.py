@@ -127,13 +127,14 @@ def describe(precision: str, strategy: str, n: int, ep: int, offload: bool, dens
     """The start-up line: model-state bytes of `dense` params sharded over n ranks and
     `expert` params over n / ep, e.g. 'model state per rank: 110.0 MiB (12 B/param, sharding
     optim over 2 ranks); 20.0 MiB of it in host memory; + 10.0 MiB of gathered parameters
-    at the peak'."""
+    at the peak'; with `optimizer`, its name after the sharding ('..., optimizer muon)')."""
     state = state_bytes_per_param(precision, strategy, n, offload, optimizer) * dense \
         + state_bytes_per_param(precision, strategy, n // ep, offload, optimizer) * expert
     mib = 2 ** 20
     per_param = state.total / (dense + expert)
+    named = f", optimizer {optimizer.optimizer}" if optimizer is not None else ""
     line = (f"model state per rank: {state.total / mib:,.1f} MiB ({per_param:.4g} B/param, "
-            f"sharding {strategy} over {n} rank{'s' if n > 1 else ''})")
+            f"sharding {strategy} over {n} rank{'s' if n > 1 else ''}{named})")
     if state.host:
         line += f"; {state.host / mib:,.1f} MiB of it in host memory"
     if gather:

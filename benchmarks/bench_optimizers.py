@@ -1,0 +1,125 @@
+"""Optimizers' convergence: pretrain_gpt on the built-in corpus at DP 4 (gloo ranks of one rank
+pool), the same seed, data and flags for every optimizer but its own: validation loss along
+the run, the final one, and the bytes the collectives moved (megalite.mpu.comm's accounting,
+payload bytes per rank summed over the run; at DP 4 with TP = PP = 1 every collective is a DP
+one: the grad reductions, the ZeRO gathers, the step's loss and grad-norm reductions).
+
+    python3 benchmarks/bench_optimizers.py                         # the docs' run (600 steps)
+    python3 benchmarks/bench_optimizers.py --train-iters 200 --optimizers adam,muon
+
+An optimizer this build does not know is skipped with one line. Muon runs with
+--muon-scale-mode spectral --muon-extra-scale-factor 0.2 (its update's RMS matched to AdamW's,
+so it shares AdamW's learning rate: Moonshot's recipe); the 1-bit optimizers freeze after
+--freeze-share of the run (DeepSpeed's 15 %). --plot writes the validation curves (matplotlib).
+Asserts nothing.
+"""
+import contextlib
+import io
+import re
+import tempfile
+
+from common import benchmark_parser, machine_line
+
+VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([0-9.E+-]+)")
+OWN_FLAGS = {"muon": lambda freeze: ["--muon-scale-mode", "spectral",
+                                     "--muon-extra-scale-factor", "0.2"],
+             "onebit_adam": lambda freeze: ["--freeze-step", str(freeze)],
+             "onebit_lamb": lambda freeze: ["--freeze-step", str(freeze)],
+             "zero_one_adam": lambda freeze: ["--var-freeze-step", str(freeze)]}
+
+
+def train_counted(argv: list[str]) -> dict:
+    """On every rank: pretrain_gpt with `argv`; rank 0's validations [(iteration, loss)] (read
+    from its log) and the payload bytes its collectives moved."""
+    import torch.distributed as dist
+
+    from megalite.mpu import comm
+    from megalite.tasks import gpt
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), comm.count_bytes() as moved:
+        gpt.run(argv)
+    validations = [(int(m[1]), float(m[2])) for m in VALIDATION.finditer(out.getvalue())]
+    return {"validations": validations, "bytes": sum(moved.values()), "rank": dist.get_rank()}
+
+
+def known(name: str) -> bool:
+    from megalite.optimizer.kinds import optimizer_kind
+    try:
+        optimizer_kind(name)
+    except ValueError:
+        return False
+    return True
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, ranks=4, num_layers=4, hidden_size=64, seq_length=64,
+                              micro_batch_size=4, seed=1234)
+    parser.add_argument("--train-iters", type=int, default=600)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--optimizers", default="adam,onebit_adam,zero_one_adam,onebit_lamb,muon")
+    parser.add_argument("--freeze-share", type=float, default=0.15)
+    parser.add_argument("--plot", default="docs/optimizer_curves.png")
+    args = parser.parse_args()
+    print(machine_line())
+    from megalite.distributed.rank_pool import RankPool
+    freeze = max(1, round(args.freeze_share * args.train_iters))
+    names = []
+    for name in args.optimizers.split(","):
+        if known(name):
+            names.append(name)
+        else:
+            print(f"skipping {name}: this build has no --optimizer {name}")
+    pool = RankPool(args.ranks, timeout_s=7200)
+    runs = {}
+    with tempfile.TemporaryDirectory() as root:
+        base = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+                "--num-attention-heads", "4", "--seq-length", str(args.seq_length),
+                "--max-position-embeddings", str(args.seq_length),
+                "--micro-batch-size", str(args.micro_batch_size),
+                "--global-batch-size", str(args.micro_batch_size * args.ranks),
+                "--train-iters", str(args.train_iters), "--lr", str(args.lr),
+                "--min-lr", str(args.lr / 10), "--lr-warmup-iters", str(args.train_iters // 20),
+                "--seed", str(args.seed), "--log-interval", str(args.train_iters),
+                "--eval-interval", str(max(1, args.train_iters // 12)), "--eval-iters", "8",
+                "--hidden-dropout", "0", "--attention-dropout", "0",
+                "--data-cache-dir", f"{root}/cache"]
+        for name in names:
+            flags = base + ["--optimizer", name, "--save", f"{root}/{name}",
+                            *OWN_FLAGS.get(name, lambda f: [])(freeze)]
+            runs[name] = pool.run(train_counted, flags)[0]
+            print(f"{name}: final validation loss {runs[name]['validations'][-1][1]:.4f}",
+                  flush=True)
+    pool.close()
+    print(f"{args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, global "
+          f"batch {args.micro_batch_size * args.ranks}, DP {args.ranks}, {args.train_iters} "
+          f"steps, lr {args.lr} (cosine to lr/10):")
+    print("| optimizer | final validation loss | vs adam | DP bytes per rank (MiB) | bytes vs adam "
+          "| first validation at or below adam's final |")
+    print("|---|---|---|---|---|---|")
+    adam = runs.get("adam")
+    for name, run in runs.items():
+        final, total = run["validations"][-1][1], run["bytes"]
+        vs_loss = vs_bytes = reached = "-"
+        if adam:
+            adam_final = adam["validations"][-1][1]
+            vs_loss, vs_bytes = f"{final / adam_final - 1:+.2%}", f"{total / adam['bytes']:.3f}"
+            reached = next((str(i) for i, loss in run["validations"] if loss <= adam_final), "-")
+        print(f"| {name} | {final:.4f} | {vs_loss} | {total / 2 ** 20:,.1f} | {vs_bytes} | "
+              f"{reached} |")
+    if args.plot and runs:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        for name, run in runs.items():
+            iterations, losses = zip(*run["validations"])
+            plt.plot(iterations, losses, marker="o", markersize=3, label=name)
+        plt.xlabel("iteration")
+        plt.ylabel("validation lm loss")
+        plt.title(f"DP {args.ranks}, built-in corpus, same seed and data")
+        plt.legend()
+        plt.savefig(args.plot, dpi=100)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
