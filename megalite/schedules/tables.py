@@ -139,6 +139,7 @@ class ScheduleKind:
     interleaves_with_vpp: bool = False          # one chunk, but with --vpp it runs interleaved
     across_steps: bool = False                  # no flush between steps: the builder's table is
                                                 # one steady-state step (`step_segment`)
+    weight_versions: int = 1                    # copies of the weights a rank holds
     closed_bubble: Callable[[int, int, int], Fraction] | None = None  # (p, m, v), F = B = W
     bubble_form: str = "its simulated table"    # the bubble (idle / compute) as a formula
 
@@ -219,7 +220,7 @@ _KINDS = (
     ScheduleKind(ZBV, zero_bubble_v, min_chunks=2, max_chunks=2, v_shape=True,
                  split_backward=True, min_ranks=2),  # no closed form for every (p, m)
     ScheduleKind(TWO_BW, pipedream_2bw, min_ranks=2, min_microbatches=lambda p: p,
-                 across_steps=True, bubble_form="its simulated steady-state step (the stages "
+                 across_steps=True, weight_versions=2, bubble_form="its simulated steady-state step (the stages "
                  "meet at each step's collectives)"),
 )
 SCHEDULE_KINDS: dict[str, ScheduleKind] = {kind.name: kind for kind in _KINDS}
