@@ -17,6 +17,7 @@ from megalite.models import GPTModel
 from megalite.mpu import destroy_model_parallel, initialize_model_parallel
 from megalite.optimizer import get_optimizer
 from megalite.optimizer.weight_versions import WeightVersions
+from megalite.planning.planner import plan
 from megalite.schedules.accounting import simulate
 from megalite.schedules.executor import InFlight
 from megalite.schedules.instructions import Kind
@@ -183,24 +184,36 @@ def data(tmp_path_factory):
 
 
 def _straight_and_resumed(prefix: str, root: str) -> tuple[dict, dict, dict]:
-    """2bw at PP2 x DP2 with dropout: 6 steps straight; SIGTERM on rank 0 in step 3 (the run
-    drains in step 4 and saves), then resumed to 6."""
+    """2bw at PP2 x DP2 (m = 2) with dropout: 4 steps straight (steps in flight across 1-3);
+    SIGTERM on rank 0 in step 2 (the run drains in step 3 and saves), then resumed to 4."""
     layout = ["--pp", "2", "--pipeline-schedule", "2bw", "--lr-decay-style", "constant"]
-    straight = train(tiny_args(prefix, f"{root}/a", 6, *layout))
-    os.environ["MEGALITE_FAULT"] = "sigterm@3:0"
+    straight = train(tiny_args(prefix, f"{root}/a", 4, *layout))
+    os.environ["MEGALITE_FAULT"] = "sigterm@2:0"
     try:
-        stopped = train(tiny_args(prefix, f"{root}/b", 6, *layout))
+        stopped = train(tiny_args(prefix, f"{root}/b", 4, *layout))
     finally:
         del os.environ["MEGALITE_FAULT"]
-    resumed = train(tiny_args(prefix, f"{root}/b", 6, *layout, "--load", f"{root}/b"))
+    resumed = train(tiny_args(prefix, f"{root}/b", 4, *layout, "--load", f"{root}/b"))
     return straight, stopped, resumed
 
 
 def test_sigterm_and_resume_are_exact(tmp_path, data):
     straight, stopped, resumed = run_on_ranks(4, _straight_and_resumed, data, str(tmp_path))[0]
-    assert sorted(stopped) == [1, 2, 3, 4]  # SIGTERM in step 3: the pipeline drains in step 4
-    assert sorted(resumed) == [5, 6]
+    assert sorted(stopped) == [1, 2, 3]  # SIGTERM in step 2: the pipeline drains in step 3
+    assert sorted(resumed) == [4]
     assert {**stopped, **resumed} == straight  # bit for bit
+
+
+def test_the_planner_counts_the_previous_weights():
+    """2bw holds one more copy of the weights than 1f1b: 4 bytes per parameter in fp32, the rest
+    of the model state and the in-flight microbatches alike."""
+    one, two = (plan(parse_configs(flags(1, 2, 1, "adam") + ["--pipeline-schedule", name]))
+                for name in ("1f1b", "2bw"))
+    for stage in ("first", "last"):
+        a, b = one.stages[stage], two.stages[stage]
+        assert (b.state.params, b.state.grads, b.state.optimizer) == \
+            (2 * a.state.params, a.state.grads, a.state.optimizer) and a.state.params == 4
+        assert b.inflight == a.inflight and b.params == a.params
 
 
 @pytest.mark.parametrize("extra, message", [

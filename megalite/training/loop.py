@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import checkpoint, device
+from megalite.checkpoint.saving import STAGING
 from megalite.config import Configs
 from megalite.data.loader import TimedIterator
 from megalite.distributed.finalize import finalize_model_grads
@@ -89,6 +90,8 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     if signals is not None:
         signals.settle(flag[0])
     versions = in_flight.versions if in_flight is not None else None
+    if versions is not None:  # an --async-save writer may still read the buffer W(t+1) takes
+        STAGING.wait()
     with versions.update() if versions is not None else contextlib.nullcontext():
         stepped, grad_norm = optimizer.apply(grad_norm, found_inf > 0, math.isfinite(loss))
     if stepped:
