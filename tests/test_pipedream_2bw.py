@@ -45,7 +45,7 @@ def flags(tp: int, pp: int, dp: int, optimizer: str) -> list[str]:
 def global_batches(dp: int) -> list[torch.Tensor]:
     """Per step [dp * M * MICRO, SEQ + 1] tokens; DP rank r takes rows r*M*MICRO onwards."""
     gen = torch.Generator().manual_seed(7)
-    return [torch.randint(0, VOCAB, (dp * M * MICRO, SEQ + 1), generator=gen)
+    return [torch.randint(0, VOCAB, (dp * M * MICRO, SEQ + 1), generator=gen, device="cpu")
             for _ in range(STEPS)]
 
 
