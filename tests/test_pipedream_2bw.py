@@ -154,6 +154,7 @@ def test_loss_and_grad_norm_curves_equal_the_delayed_update_reference(curves):
     for case, (got, want, undelayed) in curves[0].items():
         assert all(result[case][0] == got for result in curves), case
         errors = [rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, want)]
+        print(f"{case}: loss, grad norm max rel err {errors[0]:.1e}, {errors[1]:.1e}")
         assert max(errors) <= 1e-5, (case, errors)
         assert rel_err(torch.tensor(got[0]), torch.tensor(undelayed[0])) > 1e-4, case
 
