@@ -220,8 +220,9 @@ _KINDS = (
     ScheduleKind(ZBV, zero_bubble_v, min_chunks=2, max_chunks=2, v_shape=True,
                  split_backward=True, min_ranks=2),  # no closed form for every (p, m)
     ScheduleKind(TWO_BW, pipedream_2bw, min_ranks=2, min_microbatches=lambda p: p,
-                 across_steps=True, weight_versions=2, bubble_form="its simulated steady-state step (the stages "
-                 "meet at each step's collectives)"),
+                 across_steps=True, weight_versions=2,
+                 bubble_form="its simulated steady-state step (the stages meet at each step's "
+                 "collectives)"),
 )
 SCHEDULE_KINDS: dict[str, ScheduleKind] = {kind.name: kind for kind in _KINDS}
 
