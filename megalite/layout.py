@@ -19,7 +19,7 @@ from megalite.mpu.parallel_state import GridLayout
 from megalite.optimizer.kinds import optimizer_kind
 from megalite.optimizer.scheduler import check_decay_iters
 from megalite.schedules import ScheduleKind, resolve_schedule, schedule_kind
-from megalite.config.sharding import STRATEGIES, ShardingStrategy, sharding_strategy
+from megalite.config.sharding import NO_SHARD, STRATEGIES, ShardingStrategy, sharding_strategy
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,8 @@ class RunLayout:
             raise ValueError(f"--seq-length ({t.seq_length}) exceeds --max-position-embeddings "
                              f"({m.max_position_embeddings})")
         _check_model_split(m, p, grid)
+        if (requested := schedule_kind(p.pipeline_schedule)).across_steps:
+            _check_across_steps(configs, requested, pp)
         global_batch = global_batch_size(t, grid.dp)
         microbatches = global_batch // (t.micro_batch_size * grid.dp)
         schedule.check_microbatches(grid.pp, microbatches)
@@ -111,6 +113,10 @@ def check_sharding(o: OptimizerConfig, schedule: ScheduleKind) -> None:
     if o.optimizer_cpu_offload and not strategy.offload:
         raise ValueError(f"--optimizer-cpu-offload needs a sharded {flag} ("
                          f"{_names(s for s in STRATEGIES if s.offload)})")
+    if schedule.across_steps and strategy.name != NO_SHARD.name:
+        raise ValueError(f"--pipeline-schedule {schedule.name} keeps two versions of whole "
+                         f"parameters on each rank: it needs {flag} {NO_SHARD.name} (got "
+                         f"{strategy.name})")
     if schedule.split_backward and not strategy.split_backward:
         raise ValueError(f"{flag} {strategy.name} cannot run the {schedule.name} schedule: it "
                          f"defers weight gradients past the backward whose end FSDP "
@@ -120,6 +126,19 @@ def check_sharding(o: OptimizerConfig, schedule: ScheduleKind) -> None:
         raise ValueError(f"--optimizer {kind.name} sends gradients through its own reducer, "
                          f"which FSDP2 does not run: {flag} {strategy.name} cannot go with it "
                          f"(use {_names(s for s in STRATEGIES if not s.fsdp)})")
+
+
+def _check_across_steps(configs: Configs, schedule: ScheduleKind, pp: int) -> None:
+    """The flags a schedule without a flush between steps (2bw) cannot run with: one line."""
+    name = f"--pipeline-schedule {schedule.name}"
+    if pp < 2:
+        raise ValueError(f"{name} pipelines steps over stages: it needs --pp >= 2 (got {pp})")
+    if configs.model.num_experts is not None:
+        raise ValueError(f"{name} cannot run MoE layers (--num-experts): their per-step "
+                         f"statistics would mix two steps")
+    if configs.train.progressive_layer_drop:
+        raise ValueError(f"{name} cannot run with --progressive-layer-drop: the next step's "
+                         f"forwards would draw this step's decisions")
 
 
 def _names(strategies) -> str:

@@ -11,14 +11,15 @@ ONE_F_ONE_B = "1f1b"
 INTERLEAVED = "interleaved"
 ZB_H1 = "zb-h1"
 ZBV = "zbv"
-PIPELINE_SCHEDULES = (ONE_F_ONE_B, GPIPE, INTERLEAVED, ZB_H1, ZBV)  # --pipeline-schedule
+TWO_BW = "2bw"
+PIPELINE_SCHEDULES = (ONE_F_ONE_B, GPIPE, INTERLEAVED, ZB_H1, ZBV, TWO_BW)  # --pipeline-schedule
 
 
 @dataclass(frozen=True)
 class Placement:
     """Which global stage (rank, local chunk) holds, of p * v stages.
 
-    Loop (gpipe, 1f1b, interleaved): chunk c of rank r is stage c*p + r. V (zbv, v = 2):
+    Loop (gpipe, 1f1b, interleaved, 2bw): chunk c of rank r is stage c*p + r. V (zbv, v = 2):
     chunk 0 of rank r is stage r and chunk 1 is stage 2p-1-r, so rank 0 holds the first
     and the last stage and rank p-1 hands stage p-1 to stage p without communication.
     """

@@ -2,11 +2,16 @@
 
     python tools/plot_schedule.py --schedule interleaved --pp 4 --vpp 2 --microbatches 8 --out schedule.png
     python tools/plot_schedule.py --schedule zb-h1 --pp 4 --microbatches 8 --out zb-h1.png
+    python tools/plot_schedule.py --schedule 2bw --pp 4 --microbatches 4 --steps 4 --out 2bw.png
 
 One row per pipeline rank (rank 0 on top); forwards blue, backwards green (split backward:
 input grads B orange, weight grads W purple), darker for later model chunks; microbatches are
 numbered from 1, as in the papers. Prints the bubble and, per rank, the peak in-flight
 activations (microbatches between F and B) and pending weight grads (between B and W).
+--steps draws that many consecutive training steps, each starting once every rank has
+finished the one before (the step's collectives); a schedule without a flush (2bw) runs its
+steady state across them (its first step starts empty, its last drains), microbatches
+numbered on across steps.
 """
 
 import argparse
@@ -17,10 +22,11 @@ from matplotlib.patches import Patch
 
 from megalite.placement import ONE_F_ONE_B, PIPELINE_SCHEDULES
 from megalite.schedules import SCHEDULE_KINDS
-from megalite.schedules.accounting import (bubble_fraction, num_chunks,
+from megalite.schedules.accounting import (idle_over_compute, num_chunks,
                                            peak_inflight_activations, peak_pending_weight_grads,
-                                           schedule_bubble, simulate)
+                                           schedule_bubble, simulate_steps)
 from megalite.schedules.instructions import Kind
+from megalite.schedules.tables import step_segment
 
 matplotlib.use("Agg")  # files, no display
 
@@ -39,6 +45,7 @@ def main() -> None:
     parser.add_argument("--vpp", type=int, default=None,
                         help="model chunks per rank v (default: the schedule's least)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches m")
+    parser.add_argument("--steps", type=int, default=1, help="consecutive training steps")
     parser.add_argument("--out", default="schedule.png")
     args = parser.parse_args()
     p, m, kind = args.pp, args.microbatches, SCHEDULE_KINDS[args.schedule]
@@ -47,11 +54,15 @@ def main() -> None:
         table = kind.builder(p, m, v)
     except ValueError as err:
         parser.error(str(err))
-    timeline = simulate(table)
-    bubble = bubble_fraction(table)
+    if args.steps < 1:
+        parser.error(f"--steps: expected an int >= 1, got {args.steps}")
+    steps = [step_segment(p, m, i == 0, i == args.steps - 1) if kind.across_steps else table
+             for i in range(args.steps)]
+    timeline = simulate_steps(steps, m)
+    bubble = idle_over_compute(timeline)
     closed = schedule_bubble(kind, p, m, v)
-    print(f"bubble fraction: table {float(bubble):.4f} ({bubble}), schedule's record "
-          f"{float(closed):.4f} ({closed} = {kind.bubble_form})")
+    print(f"bubble fraction: {args.steps} step(s) {float(bubble):.4f} ({bubble}), schedule's "
+          f"record (steady state) {float(closed):.4f} ({closed} = {kind.bubble_form})")
     for rank in range(p):
         print(f"rank {rank}: peak in-flight activations "
               f"{peak_inflight_activations(table, rank) / num_chunks(table):g} microbatches, "
@@ -69,7 +80,8 @@ def main() -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, makespan)
     ax.set_xlabel("time (per rank and microbatch: F = B = W = 1, fused backward B+W = 2)")
-    ax.set_title(f"{args.schedule}: p={p}, v={v}, m={m}, bubble = {bubble} = {float(bubble):.3f}")
+    ax.set_title(f"{args.schedule}: p={p}, v={v}, m={m}, {args.steps} step(s), bubble = {bubble} "
+                 f"= {float(bubble):.3f}")
     ax.legend(handles=[Patch(color=color(kind, c, v), label=f"{kind.name.lower()} chunk {c}")
                        for kind in COLORS for c in range(v)
                        if any(s.kind is kind for spans in timeline.spans for s in spans)],

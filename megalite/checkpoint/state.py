@@ -121,6 +121,8 @@ def collect_shards(model: list[nn.Module], optimizer, writer: ShardWriter) -> No
         start, end = ((fragment.offset, fragment.offset + fragment.main.numel()) if distributed
                       else _dp_range(param, chunk))
         sources = {"model": local_values(param)}  # under FSDP: the fragment's own range
+        if (previous := getattr(param, "previous_version", None)) is not None:
+            sources["previous"] = (previous.view(-1), 0)  # 2bw's W(t-1)
         if fragment is not None:
             state = states.get(fragment.main, {})
             sources.update(_flat_sources(fragment, state, kinds))
@@ -153,9 +155,15 @@ def load_weights(reader: ShardReader, model: list[nn.Module]) -> None:
                                      f"{saved}, this model's is "
                                      f"{global_shape(entry.placement, tp)}")
             flat, start = local_values(param)
+            targets = [("model", flat)]
+            if (previous := getattr(param, "previous_version", None)) is not None:
+                # 2bw's W(t-1); from a checkpoint without it, W(t-1) = W(t)
+                saved = reader.has("previous", entries(name, param)[0].name)
+                targets.append(("previous" if saved else "model", previous.view(-1)))
             for entry, a, b, box, sub, glob in _pieces(name, param, start, start + flat.numel()):
-                reader.read_into("model", entry.name, glob,
-                                 box_view(flat, a - start, b - start, box)[box_slices(sub)])
+                for kind, out in targets:
+                    reader.read_into(kind, entry.name, glob,
+                                     box_view(out, a - start, b - start, box)[box_slices(sub)])
 
 
 @torch.no_grad()

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import torch
 
 from megalite.config.fields import Section, arg
-from megalite.placement import INTERLEAVED, ONE_F_ONE_B, PIPELINE_SCHEDULES, ZB_H1, ZBV
+from megalite.placement import (INTERLEAVED, ONE_F_ONE_B, PIPELINE_SCHEDULES, TWO_BW, ZB_H1,
+                                ZBV)
 from megalite.config.sharding import NO_SHARD, OPTIM, STRATEGIES, STRATEGY_NAMES
 
 
@@ -25,7 +26,8 @@ class ParallelConfig(Section):
     pipeline_schedule: str = arg(
         ONE_F_ONE_B, f"pipeline schedule when PP > 1 (with --vpp and {ONE_F_ONE_B}: "
         f"{INTERLEAVED}; {ZB_H1} and {ZBV} split the backward into input and weight grads; "
-        f"{ZBV} runs 2 chunks per rank in V placement)", choices=PIPELINE_SCHEDULES)
+        f"{ZBV} runs 2 chunks per rank in V placement; {TWO_BW}: PipeDream-2BW, no flush "
+        f"between steps, two weight versions, updates one step late)", choices=PIPELINE_SCHEDULES)
     distributed_timeout_minutes: float = arg(10.0, "bound on any collective wait", above=0.0)
     sequence_parallel: bool = arg(False, "split norms, dropout and residual activations along "
                                   "the sequence over TP (needs TP > 1)")

@@ -56,7 +56,7 @@ def ring_attention_elements(s: int, b: int, kv_groups: int, head_dim: int, cp: i
 
 def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> Fraction:
     """Microbatches (in whole-stage units) whose activations rank `rank` holds at its peak,
-    from forward to (input-grad) backward: GPipe m; 1F1B and ZB-H1 min(p - r, m);
+    from forward to (input-grad) backward: GPipe m; 1F1B, ZB-H1 and 2BW min(p - r, m);
     interleaved min(2(p-r-1) + (v-1)p + 1, m v) / v chunks, p (1 + (p-1)/(p v)) on rank 0
     (Megatron's interleaving penalty); ZBV min((m + r + 1) / 2, m, p). The linear layers'
     inputs and output grads that a deferred weight grad (W) keeps after B are not counted."""

@@ -15,6 +15,7 @@ every activation by cp. Byte counts are "payload" (the tensors handed to a colle
 bytes over n ranks sends 2(n-1)/n S, a reduce-scatter of S (n-1)/n S, an all-gather of
 shards of S (n-1) S, a point-to-point message its size).
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -291,6 +292,8 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
     ep, sharding = par.expert_model_parallel_size, layout.sharding
     offload = layout.cpu_offload
     state = state_bytes_per_param(precision, sharding, dp * cp, offload, configs.optimizer)
+    if schedule.weight_versions > 1:  # 2bw: the previous weights, whole on every rank
+        state = dataclasses.replace(state, params=state.params * schedule.weight_versions)
     expert_state = state_bytes_per_param(precision, sharding, dp * cp // ep, offload,
                                          configs.optimizer)
     stored, working = _layer_stack(configs, configs.model.num_layers // (pp * v), e, tp,

@@ -103,13 +103,32 @@ def simulate(table: Table, forward_time: float = 1, input_grad_time: float = 1,
     return Timeline(spans, max(clock))
 
 
+def simulate_steps(tables: list[Table], microbatches: int) -> Timeline:
+    """Consecutive training steps, each `simulate`d from the moment every rank has finished
+    the one before (the step's collectives: DP reduction, grad norm, loss), with step i's
+    microbatches numbered from i * `microbatches` (2bw: `tables.step_segment` per step)."""
+    spans: list[list[Span]] = [[] for _ in tables[0]]
+    start = Fraction(0)
+    for step, table in enumerate(tables):
+        timeline = simulate(table)
+        for rank, rank_spans in enumerate(timeline.spans):
+            spans[rank] += [Span(s.kind, s.chunk, s.microbatch + step * microbatches,
+                                 start + s.start, start + s.end) for s in rank_spans]
+        start += timeline.makespan
+    return Timeline(spans, start)
+
+
+def idle_over_compute(timeline: Timeline) -> Fraction:
+    """Idle over compute time of a rank (mean over ranks)."""
+    busy = [sum((s.end - s.start for s in spans), Fraction(0)) for spans in timeline.spans]
+    return sum(((timeline.makespan - b) / b for b in busy), Fraction(0)) / len(busy)
+
+
 def bubble_fraction(table: Table, forward_time: float = 1, input_grad_time: float = 1,
                     weight_grad_time: float = 1) -> Fraction:
     """Idle over compute time of a rank in the simulated run (mean over ranks); with F = B = W
     the closed form of the schedule's record where it has one (`schedule_bubble`)."""
-    timeline = simulate(table, forward_time, input_grad_time, weight_grad_time)
-    busy = [sum((s.end - s.start for s in spans), Fraction(0)) for spans in timeline.spans]
-    return sum(((timeline.makespan - b) / b for b in busy), Fraction(0)) / len(busy)
+    return idle_over_compute(simulate(table, forward_time, input_grad_time, weight_grad_time))
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,7 +156,16 @@ def peak_pending_weight_grads(table: Table, rank: int) -> int:
 
 
 def _peak(instructions: list[Instruction], up: Kind, down: frozenset) -> int:
-    live = peak = 0
+    """Most pairs between their `up` and `down` op, counting those whose `up` ran before the
+    list (a step of a schedule without a flush: 2bw's forwards carried in)."""
+    seen: set[tuple[int, int]] = set()
+    carried = 0
+    for ins in instructions:
+        key = (ins.chunk, ins.microbatch)
+        carried += ins.kind in down and key not in seen
+        if ins.kind is up:
+            seen.add(key)
+    live = peak = carried
     for ins in instructions:
         live += (ins.kind is up) - (ins.kind in down)
         peak = max(peak, live)

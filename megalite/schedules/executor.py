@@ -35,7 +35,7 @@ from megalite.mpu.weight_grad import apply_weight_grads, defer_weight_grads
 from megalite.placement import ONE_F_ONE_B, Placement
 from megalite.schedules.instructions import COMPUTE, Instruction, Kind
 from megalite.schedules.p2p import Channel
-from megalite.schedules.tables import SCHEDULE_KINDS, ScheduleKind, resolve_schedule
+from megalite.schedules.tables import SCHEDULE_KINDS, ScheduleKind, resolve_schedule, step_segment
 
 LossDict = dict[str, torch.Tensor]
 BACKWARD_KINDS = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT,
@@ -72,12 +72,27 @@ def _chunk_iterators(data_iterator, v: int) -> list:
     return list(itertools.tee(data_iterator, v))
 
 
+class InFlight:
+    """What a schedule without a flush between steps (2bw) carries from one training step to
+    the next on this rank: the next step's forwards that ran before this step ended (their
+    received inputs and their outputs, by (chunk, microbatch of the next step)), and the two
+    weight versions (`megalite.optimizer.weight_versions.WeightVersions`, or None to run on
+    the params as they are). `drain` (set by the caller before each step): let the pipeline
+    empty at the end of this step (at the end of training, before an evaluation or a save)."""
+
+    def __init__(self, versions=None) -> None:
+        self.versions, self.drain = versions, True
+        self.running = False  # the previous step left the next one's forwards in flight
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+
+
 class _Run:
     """State of one step on one rank; tensors are kept by (local chunk, microbatch)."""
 
     def __init__(self, forward_step_func: Callable, iterators: list, chunks: list[nn.Module],
                  num_microbatches: int, channel: Channel, forward_only: bool,
-                 loss_scale: float, place: Placement) -> None:
+                 loss_scale: float, place: Placement, versions=None) -> None:
         self.forward_step_func, self.iterators, self.chunks = forward_step_func, iterators, chunks
         self.place, self.rank = place, parallel_state.get_pipeline_model_parallel_rank()
         self.m, self.channel = num_microbatches, channel
@@ -90,6 +105,7 @@ class _Run:
         self.backwards: Counter = Counter()  # by (B or W, chunk)
         self.losses: list[LossDict] = []
         self.layer_drops = [layer_drop_states(chunk) for chunk in chunks]
+        self.versions = versions  # 2bw: this step's microbatches run on the previous weights
 
     def _local_previous(self, key: tuple[int, int]) -> tuple[int, int] | None:
         """(chunk, microbatch) of the previous stage when it is on this rank (V placement)."""
@@ -156,6 +172,8 @@ class _Run:
 
     def compute(self, ins: Instruction) -> None:
         key = (ins.chunk, ins.microbatch)
+        if self.versions is not None:  # the next step's forwards (microbatch >= m): current
+            self.versions.point(ins.chunk, previous=ins.microbatch < self.m)
         if ins.kind is Kind.FORWARD:
             self.forward(key)
         elif ins.kind is Kind.BACKWARD_WEIGHT:
@@ -236,7 +254,8 @@ def forward_backward(*, schedule: ScheduleKind, forward_step_func: Callable,
                      data_iterator: Iterator | list | None, model: nn.Module | list[nn.Module],
                      num_microbatches: int, seq_length: int, micro_batch_size: int,
                      forward_only: bool = False, loss_scale: float = 1.0,
-                     loss_keys: Sequence[str] | None = None) -> list[LossDict]:
+                     loss_keys: Sequence[str] | None = None,
+                     in_flight: InFlight | None = None) -> list[LossDict]:
     """One step of schedule `schedule` on this rank.
 
     model: this rank's chunk, or its list of v chunks. data_iterator: one
@@ -249,13 +268,21 @@ def forward_backward(*, schedule: ScheduleKind, forward_step_func: Callable,
     Returns the per-microbatch loss dicts of the last stage on EVERY pipeline rank
     (`share_losses`: only `loss_keys` when given, which spares the other ranks a host sync),
     as float32 scalars when PP > 1, on the device. Invalid (p, m, v) raise the tables'
-    ValueError before any communication.
+    ValueError before any communication. A schedule without a flush between steps (2bw) runs
+    one step of its steady state with `in_flight` (what the previous call left in flight;
+    it drains when `in_flight.drain`), and a flushed 1F1B step without it.
     """
     chunks = model if isinstance(model, list) else [model]
     p = parallel_state.get_pipeline_model_parallel_world_size()
     v = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-    table = rank_table(schedule, p, num_microbatches, v,
-                       parallel_state.get_pipeline_model_parallel_rank(), forward_only)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    carry = in_flight if schedule.across_steps and not forward_only else None
+    if carry is not None:
+        schedule.check_arguments(p, num_microbatches, v)
+        table = step_segment(p, num_microbatches, not carry.running, carry.drain)[rank]
+    else:  # 2bw without InFlight, or evaluating: a flushed step (1F1B)
+        table = rank_table(SCHEDULE_KINDS[ONE_F_ONE_B] if schedule.across_steps else schedule,
+                           p, num_microbatches, v, rank, forward_only)
     if len(chunks) != v:
         raise ValueError(f"model: expected {v} model chunk(s) on this rank, got {len(chunks)}")
     param = next(chunks[0].parameters())
@@ -263,7 +290,9 @@ def forward_backward(*, schedule: ScheduleKind, forward_step_func: Callable,
              unwrap(chunks[0]).config.hidden_size)
     run = _Run(forward_step_func, _chunk_iterators(data_iterator, v), chunks, num_microbatches,
                Channel(shape, param.dtype, param.device), forward_only, loss_scale,
-               schedule.placement(p, v))
+               schedule.placement(p, v), carry and carry.versions)
+    if carry is not None:
+        run.inputs, run.outputs = carry.inputs, carry.outputs
     with torch.no_grad() if forward_only else \
             training_step(moe_states(chunks), loss_scale / num_microbatches):
         for is_compute, group in itertools.groupby(table, lambda ins: ins.kind in COMPUTE):
@@ -275,7 +304,21 @@ def forward_backward(*, schedule: ScheduleKind, forward_step_func: Callable,
                 run.compute(ins)
                 for observer in _observers:
                     observer(ins, time.perf_counter() - start)
+    if carry is not None:
+        _carry_over(run, carry)
     return share_losses(run.losses, num_microbatches, param.device, loss_keys)
+
+
+def _carry_over(run: _Run, carry: InFlight) -> None:
+    """Keep the next step's in-flight forwards (renumbered from 0) and point the params at the
+    current weights again."""
+    m, carry.running = run.m, not carry.drain
+    carry.inputs = {(c, mb - m): t for (c, mb), t in run.inputs.items()}
+    carry.outputs = {(c, mb - m): t for (c, mb), t in run.outputs.items()}
+    if any(mb < 0 for _, mb in carry.outputs) or run.output_grads or run.input_grads:
+        raise RuntimeError("2bw: a step ended with its own microbatches in flight")  # a bug
+    if carry.versions is not None:
+        carry.versions.point_all_current()
 
 
 def get_forward_backward_func(pipeline_schedule: str = ONE_F_ONE_B

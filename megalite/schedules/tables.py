@@ -8,13 +8,16 @@ split backward or not, the closed-form bubble; `resolve_schedule` picks the one 
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
-from megalite.placement import (GPIPE, INTERLEAVED, ONE_F_ONE_B, PIPELINE_SCHEDULES, ZB_H1, ZBV,
-                                Placement)
-from megalite.schedules.instructions import Instruction, Kind, Step, Table, assemble
+from megalite.placement import (GPIPE, INTERLEAVED, ONE_F_ONE_B, PIPELINE_SCHEDULES, TWO_BW, ZB_H1,
+                                ZBV, Placement)
+from megalite.schedules.instructions import (COMPUTE, SENDS, Instruction, Kind, Step, Table,
+                                             assemble)
 
 
 def gpipe(p: int, m: int, v: int = 1) -> Table:
@@ -69,6 +72,53 @@ def zero_bubble_v(p: int, m: int, v: int = 2) -> Table:
     return assemble(place, _list_schedule(place, m, 2 * p))
 
 
+def pipedream_2bw(p: int, m: int, v: int = 1) -> Table:
+    """PipeDream-2BW (Narayanan et al. 2021) in steady state: one training step of 1F1B run
+    without a flush between steps (`step_segment` between two other steps)."""
+    SCHEDULE_KINDS[TWO_BW].check_arguments(p, m, v)
+    return step_segment(p, m, starts=False, drains=False)
+
+
+@functools.lru_cache(maxsize=32)
+def step_segment(p: int, m: int, starts: bool, drains: bool) -> Table:
+    """One training step of 1F1B over consecutive steps' microbatches with no flush: each
+    rank's part of the 1F1B table of the previous, this and the next step (3m microbatches)
+    from the end of the previous step's batch that follows its last backward to the end of
+    this step's. Microbatches 0..m-1 are this step's, m.. the next step's forwards a rank runs
+    before this step's last backward (p-1-r on rank r); the forwards of this step's first
+    microbatches ran in the previous segment. `starts`: nothing is in flight before (no
+    previous step); `drains`: the pipeline empties at the end (no next step): with both, it
+    is 1F1B. RuntimeError if a message would cross a step's end (it never does for m >= p):
+    the step's collectives run between segments, so a segment's messages must all pair up."""
+    before, after = int(not starts), int(not drains)
+    table = assemble(Placement(p, 1), [_loop_steps(p, (before + 1 + after) * m, 1,
+                                                   p - rank - 1, False) for rank in range(p)])
+    segment = []
+    for ops in table:
+        start = _step_end(ops, before * m - 1) if before else 0
+        end = _step_end(ops, (before + 1) * m - 1) if after else len(ops)
+        segment.append([dataclasses.replace(ins, microbatch=ins.microbatch - before * m)
+                        for ins in ops[start:end]])
+    sends = {(r, ins.peer, ins.kind.name[5:], ins.microbatch)
+             for r, ops in enumerate(segment) for ins in ops if ins.kind in SENDS}
+    recvs = {(ins.peer, r, ins.kind.name[5:], ins.microbatch)
+             for r, ops in enumerate(segment) for ins in ops
+             if ins.kind not in COMPUTE and ins.kind not in SENDS}
+    if sends != recvs:
+        raise RuntimeError(f"2bw segment (p={p}, m={m}): a message crosses a step boundary")
+    return segment
+
+
+def _step_end(ops: list[Instruction], last_microbatch: int) -> int:
+    """Index in a rank's list just after the batch that follows the backward of
+    `last_microbatch`."""
+    i = 1 + next(i for i, ins in enumerate(ops)
+                 if ins.kind is Kind.BACKWARD and ins.microbatch == last_microbatch)
+    while i < len(ops) and ops[i].kind not in COMPUTE:
+        i += 1
+    return i
+
+
 def _one(p: int) -> int:
     return 1
 
@@ -87,6 +137,9 @@ class ScheduleKind:
     min_microbatches: Callable[[int], int] = _one   # least m, of p
     microbatches_multiple_of_p: bool = False
     interleaves_with_vpp: bool = False          # one chunk, but with --vpp it runs interleaved
+    across_steps: bool = False                  # no flush between steps: the builder's table is
+                                                # one steady-state step (`step_segment`)
+    weight_versions: int = 1                    # copies of the weights a rank holds
     closed_bubble: Callable[[int, int, int], Fraction] | None = None  # (p, m, v), F = B = W
     bubble_form: str = "its simulated table"    # the bubble (idle / compute) as a formula
 
@@ -166,6 +219,10 @@ _KINDS = (
                  closed_bubble=lambda p, m, v: Fraction(p - 1, 3 * m), bubble_form="(p-1)/(3m)"),
     ScheduleKind(ZBV, zero_bubble_v, min_chunks=2, max_chunks=2, v_shape=True,
                  split_backward=True, min_ranks=2),  # no closed form for every (p, m)
+    ScheduleKind(TWO_BW, pipedream_2bw, min_ranks=2, min_microbatches=lambda p: p,
+                 across_steps=True, weight_versions=2,
+                 bubble_form="its simulated steady-state step (the stages meet at each step's "
+                 "collectives)"),
 )
 SCHEDULE_KINDS: dict[str, ScheduleKind] = {kind.name: kind for kind in _KINDS}
 

@@ -5,6 +5,7 @@ A task (megalite.training.task.Task: model, batches, what to validate and log, i
 resumable state) runs with `train(configs, task)`. Configurations are validated before any
 process group exists, so a bad flag ends every rank with one line instead of a hang.
 """
+import contextlib
 import functools
 import math
 import os
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import checkpoint, device
+from megalite.checkpoint.saving import STAGING
 from megalite.config import Configs
 from megalite.data.loader import TimedIterator
 from megalite.distributed.finalize import finalize_model_grads
@@ -24,7 +26,8 @@ from megalite.moe import update_expert_bias
 from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps
 from megalite.optimizer import get_optimizer
-from megalite.schedules.executor import forward_backward
+from megalite.optimizer.weight_versions import WeightVersions
+from megalite.schedules.executor import InFlight, forward_backward
 from megalite.training import checks
 from megalite.training.checks import StartError, check_before_start
 from megalite.training.logger import TrainingLogger, log
@@ -46,35 +49,39 @@ class TrainResult:
 
 def run_schedule(forward_step_func: Callable, data_iterator: Iterator, model: list,
                  layout: RunLayout, forward_only: bool, loss_scale: float = 1.0,
-                 loss_keys: Sequence[str] | None = None) -> list[dict]:
+                 loss_keys: Sequence[str] | None = None,
+                 in_flight: InFlight | None = None) -> list[dict]:
     """All microbatches of one step through the layout's pipeline schedule; per-microbatch
-    losses on the device (only `loss_keys` when given; see executor.forward_backward)."""
+    losses on the device (only `loss_keys` when given; `in_flight`: 2bw's state carried
+    between steps; see executor.forward_backward)."""
     return forward_backward(
         schedule=layout.schedule, forward_step_func=forward_step_func,
         data_iterator=data_iterator, model=model if len(model) > 1 else model[0],
         num_microbatches=layout.num_microbatches, seq_length=layout.seq_length,
         micro_batch_size=layout.micro_batch_size, forward_only=forward_only,
-        loss_scale=loss_scale, loss_keys=loss_keys)
+        loss_scale=loss_scale, loss_keys=loss_keys, in_flight=in_flight)
 
 
 
 def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list, optimizer,
                layout: RunLayout, loss_key: str = "lm loss",
-               signals: ExitSignalHandler | None = None) -> tuple[float, bool, float | None]:
+               signals: ExitSignalHandler | None = None, in_flight: InFlight | None = None
+               ) -> tuple[float, bool, float | None]:
     """One optimizer step over all microbatches: (mean `loss_key` value on every rank, stepped,
     grad norm). The loss is the same on every rank (shared over PP, averaged over DP), so a
     NaN/Inf loss anywhere skips the step everywhere, as a non-finite grad norm does.
 
     The step's one host sync reads, in one transfer, the loss, the grad statistics
     (`optimizer.grad_stats`) and, with `signals`, the SIGTERM flag agreed over the world
-    (`signals.stop_requested` afterwards).
+    (`signals.stop_requested` afterwards). With 2bw (`in_flight`) the step's microbatches
+    run on the previous weights and the update moves the current ones (WeightVersions).
     """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = run_schedule(forward_step_func, data_iterator, model, layout,
                           forward_only=False, loss_scale=optimizer.loss_scale,
-                          loss_keys=(loss_key,))
+                          loss_keys=(loss_key,), in_flight=in_flight)
     finalize_model_grads(model)
     scalars = [_mean_over_data_parallel(losses, loss_key), optimizer.grad_stats().double()]
     if signals is not None:
@@ -82,7 +89,11 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     loss, grad_norm, found_inf, *flag = torch.cat(scalars).tolist()
     if signals is not None:
         signals.settle(flag[0])
-    stepped, grad_norm = optimizer.apply(grad_norm, found_inf > 0, math.isfinite(loss))
+    versions = in_flight.versions if in_flight is not None else None
+    if versions is not None:  # an --async-save writer may still read the buffer W(t+1) takes
+        STAGING.wait()
+    with versions.update() if versions is not None else contextlib.nullcontext():
+        stepped, grad_norm = optimizer.apply(grad_norm, found_inf > 0, math.isfinite(loss))
     if stepped:
         update_expert_bias(model)  # --moe-router-enable-expert-bias (no-op without)
     return loss, stepped, grad_norm
@@ -165,6 +176,8 @@ def train(configs: Configs, task: Task) -> TrainResult:
         model = build_model(configs, functools.partial(task.model_provider, configs))
         optimizer, scheduler = get_optimizer(configs.optimizer, configs.precision, model,
                                              configs.train.train_iters)
+        in_flight = InFlight(WeightVersions(model, optimizer)) \
+            if layout.schedule.across_steps else None  # before a load fills both versions
         iteration, consumed = 0, 0
         if ckpt.load:
             iteration, consumed = checkpoint.load(
@@ -193,7 +206,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
               iteration, consumed)
     try:
         task.start(run)
-        _train_loop(run, TimedIterator(train_batches))
+        _train_loop(run, TimedIterator(train_batches), in_flight)
         run.finish_saves()
         if run.iteration >= configs.train.train_iters:
             task.finish(run)
@@ -216,9 +229,11 @@ def _validate(run: Run) -> None:
 
 
 
-def _train_loop(run: Run, train_batches: TimedIterator) -> None:
+def _train_loop(run: Run, train_batches: TimedIterator, in_flight: InFlight | None) -> None:
     """Steps from run.iteration to --train-iters (or an exit): validate every --eval-interval
-    steps, save every --save-interval applied steps, at an exit and at the end."""
+    steps, save every --save-interval applied steps, at an exit and at the end. With 2bw
+    (`in_flight`) the pipeline drains at the steps before those, and SIGTERM, known after a
+    step, ends the run one (draining) step later."""
     configs, layout, task = run.configs, run.layout, run.task
     t, ckpt = configs.train, configs.checkpoint
     save_interval = ckpt.save_interval or default_save_interval(t.train_iters)
@@ -229,9 +244,12 @@ def _train_loop(run: Run, train_batches: TimedIterator) -> None:
         while run.iteration < t.train_iters:
             if layer_drop is not None:
                 start_layer_drop(run.model, layer_drop, replica, run.iteration)
+            if in_flight is not None:
+                in_flight.drain = _drains(run.iteration + 1, t, ckpt.save and save_interval,
+                                          save_due, signals.stop_requested)
             loss, stepped, grad_norm = train_step(
                 inject_faults(task.forward_step, run.iteration + 1), train_batches, run.model,
-                run.optimizer, layout, task.loss_key, signals)
+                run.optimizer, layout, task.loss_key, signals, in_flight)
             run.iteration += 1
             iteration = run.iteration
             run.losses[iteration], run.grad_norms[iteration] = loss, grad_norm
@@ -244,7 +262,7 @@ def _train_loop(run: Run, train_batches: TimedIterator) -> None:
             if t.eval_interval and (iteration % t.eval_interval == 0 or
                                     iteration == t.train_iters):
                 _validate(run)
-            signalled = signals.stop_requested
+            signalled = signals.stop_requested and not (in_flight and in_flight.running)
             exiting = signalled or bool(t.exit_interval) and iteration % t.exit_interval == 0
             # an interval save waits for an applied step; the last one happens regardless
             save_due = save_due or iteration % save_interval == 0
@@ -257,3 +275,13 @@ def _train_loop(run: Run, train_batches: TimedIterator) -> None:
             if exiting:
                 log(f"exiting at iteration {iteration} (--exit-interval {t.exit_interval})")
                 break
+
+
+def _drains(iteration: int, t, save_interval: int | None, save_due: bool,
+            stop_requested: bool) -> bool:
+    """Whether 2bw's pipeline empties at the end of step `iteration`: the last step, an
+    evaluation, an exit or a save follows it, or SIGTERM came during the previous step."""
+    return (iteration == t.train_iters or stop_requested or
+            bool(t.eval_interval) and iteration % t.eval_interval == 0 or
+            bool(t.exit_interval) and iteration % t.exit_interval == 0 or
+            bool(save_interval) and (save_due or iteration % save_interval == 0))
