@@ -80,6 +80,9 @@ class OptimizerConfig(Section):
     adam_beta2: float = arg(0.95, "Adam beta2", min=0.0, below=1.0)
     adam_eps: float = arg(1e-8, "Adam epsilon", above=0.0)
     sgd_momentum: float = arg(0.9, "SGD momentum", min=0.0)
+    freeze_step: int = arg(100, "onebit_adam: AdamW warm-up steps before the variance freezes "
+                           "and the momentum travels 1-bit compressed (DeepSpeed's name; "
+                           "its papers warm up for 15 to 25 percent of the run)", min=1)
     clip_grad: float = arg(1.0, "clip the global grad L2 norm to this (0: off)", min=0.0)
     use_distributed_optimizer: bool = arg(
         False, "shard optimizer state over DP (ZeRO-1): --data-parallel-sharding-strategy optim")

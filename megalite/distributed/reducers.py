@@ -36,6 +36,16 @@ class GradReducer(ABC):
         if handle is not None:
             handle.wait()
 
+    def state_dict(self) -> dict:
+        """State carried from step to step (error buffers; checkpointed per rank): none."""
+        return {}
+
+    def load_state_dict(self, state: dict, group) -> None:
+        """Restore `state_dict()` of the same bucket under the same layout."""
+
+    def restart(self, steps: int) -> None:
+        """Continue at step `steps` of a checkpoint saved under another layout (state lost)."""
+
 
 class AllReduce(GradReducer):
     """Sum over the group into every element (no_shard; tied-embedding buckets)."""

@@ -14,6 +14,7 @@ megalite.config sits below this package (tests/test_imports.py), so `--optimizer
 name and `optimizer_kind` refuses an unknown one with one line: megalite.layout calls it
 before any process group.
 """
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from megalite.distributed.reducers import ReducerFactory, default_reducer
+from megalite.optimizer.onebit import (MomentumReducer, build_onebit_adam, check_onebit_run,
+                                       momentum_reducer_settings)
 
 FP32_BYTES = 4  # optimizer state is kept in fp32, like the masters it steps
 
@@ -34,6 +37,14 @@ class OptimizerKind:
     state_keys: Callable[[object], tuple[str, ...]]      # per-element state of a parameter
     scalar_keys: tuple[str, ...] = ()                    # per-parameter scalars (Adam's step)
     reducer: ReducerFactory = default_reducer            # how DP buckets' grads travel
+    reducer_settings: Callable[[object], dict] | None = None  # reducer keywords from config
+    check_run: Callable[[object, int], None] | None = None  # (Configs, DP x CP): refuse a run
+
+    def make_reducer(self, config) -> ReducerFactory:
+        """The DP buckets' ReducerFactory under `config`: `reducer`, given its settings."""
+        if self.reducer_settings is None:
+            return self.reducer
+        return functools.partial(self.reducer, **self.reducer_settings(config))
 
     def state_bytes(self, config) -> int:
         """Bytes of optimizer state per parameter (fp32 per state key): Adam 8, SGD 4 with
@@ -79,7 +90,11 @@ ADAM = OptimizerKind("adam", build_adamw, lambda config: ("exp_avg", "exp_avg_sq
                      scalar_keys=("step",))
 SGD = OptimizerKind("sgd", build_sgd,
                     lambda config: ("momentum_buffer",) if config.sgd_momentum else ())
-OPTIMIZER_KINDS = (ADAM, SGD)
+ONEBIT_ADAM = OptimizerKind("onebit_adam", build_onebit_adam,
+                            lambda config: ("exp_avg", "exp_avg_sq"), scalar_keys=("step",),
+                            reducer=MomentumReducer, reducer_settings=momentum_reducer_settings,
+                            check_run=check_onebit_run)
+OPTIMIZER_KINDS = (ADAM, SGD, ONEBIT_ADAM)
 
 
 def optimizer_kind(name: str) -> OptimizerKind:

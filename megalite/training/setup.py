@@ -103,5 +103,5 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
     return [DistributedDataParallel(chunk, bucket_size=o.ddp_bucket_size,
                                     overlap_grad_reduce=overlap,
                                     use_distributed_optimizer=strategy.shards_optimizer,
-                                    make_reducer=optimizer_kind(o.optimizer).reducer)
+                                    make_reducer=optimizer_kind(o.optimizer).make_reducer(o))
             for chunk in chunks]
