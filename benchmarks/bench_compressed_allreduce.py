@@ -18,7 +18,7 @@ import torch.distributed as dist
 from common import benchmark_parser, machine_line, median_seconds, turn_order
 
 from megalite.distributed.compressed import CompressedAllReduce
-from megalite.distributed.rank_pool import run_once
+from megalite.distributed.rank_pool import RankPool
 from megalite.mpu import comm
 
 
@@ -27,13 +27,13 @@ def measure(elements: int, bucket_size: int, steps: int, warmup: int) -> dict:
     group, world = dist.group.WORLD, dist.get_world_size()
     flat = torch.randn(elements, generator=torch.Generator().manual_seed(dist.get_rank()))
     compressed = CompressedAllReduce(elements, world, flat.device)
-    per_bucket = -(-bucket_size // world) * world
+    per_bucket = -(-min(bucket_size, elements) // world) * world
     padded = torch.zeros(-(-elements // per_bucket) * per_bucket)
 
     def reduce_scatter() -> None:
+        rank = dist.get_rank()
         for bucket in padded.split(per_bucket):
             shard = bucket.numel() // world
-            rank = dist.get_rank()
             comm.reduce_scatter(bucket[rank * shard:(rank + 1) * shard], bucket, group)
 
     methods = {"fp32 all-reduce": lambda: comm.all_reduce(flat, group),
@@ -54,12 +54,18 @@ def main() -> None:
     parser = benchmark_parser(__doc__, ranks=8, steps=3, warmup=1)
     parser.add_argument("--elements", type=int, default=25_000_000,
                         help="fp32 gradient elements per rank")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds the ranks may take (a loaded 2-core machine is slow)")
     parser.add_argument("--bucket-size", type=int, default=40_000_000,
                         help="elements per reduce-scatter bucket (--ddp-bucket-size)")
     args = parser.parse_args()
     print(machine_line())
-    results = run_once(args.ranks, measure, args.elements, args.bucket_size, args.steps,
-                       args.warmup)
+    pool = RankPool(args.ranks)
+    try:
+        results = pool.run(measure, args.elements, args.bucket_size, args.steps, args.warmup,
+                           timeout=args.timeout)
+    finally:
+        pool.close()
     seconds = {name: max(r[name][0] for r in results) for name in results[0]}
     base_bytes = results[0]["fp32 all-reduce"][1]
     print(f"DP {args.ranks} gloo, {args.elements:,} fp32 elements per rank "

@@ -279,3 +279,13 @@ def test_bad_combinations_are_one_line_before_any_process_group(argv, world, exp
     with pytest.raises(ValueError, match=expected) as error:
         RunLayout.from_configs(configs, world)
     assert "\n" not in str(error.value)
+
+
+def test_the_planner_counts_the_reducers_state():
+    """fp32 ZeRO-1 over 4: params 4 + grads 4 + m, v 8 / 4, + momentum and worker error 8 and
+    the server error 4 / 4 on every rank."""
+    from megalite.config import OptimizerConfig
+    from megalite.planning.state_bytes import state_bytes_per_param
+    got = state_bytes_per_param("fp32", "optim", 4,
+                                optimizer=OptimizerConfig(optimizer="onebit_adam"))
+    assert got.total == 4 + 4 + 8 / 4 + 8 + 4 / 4

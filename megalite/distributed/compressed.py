@@ -39,10 +39,9 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
-    """[..., k] uint8 -> [..., 8 k] fp32 of +1 / -1 (the inverse of `pack_signs`)."""
+    """[..., k] uint8 -> [..., 8 k] bool, True for +1 (the inverse of `pack_signs`)."""
     shifts = torch.arange(BITS, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(*packed.shape[:-1], -1).float().mul_(2).sub_(1)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).bool().reshape(*packed.shape[:-1], -1)
 
 
 def compress(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +56,7 @@ def compress(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def decompress(payload: torch.Tensor) -> torch.Tensor:
     """Payload rows [r, c / 8 + 4] uint8 -> their values [r, c] fp32."""
     scale = payload[..., -SCALE_BYTES:].contiguous().view(torch.float32)
-    return unpack_signs(payload[..., :-SCALE_BYTES]) * scale
+    return torch.where(unpack_signs(payload[..., :-SCALE_BYTES]), scale, -scale)
 
 
 class CompressedAllReduce:
@@ -70,9 +69,14 @@ class CompressedAllReduce:
         self.server_error = torch.zeros(self.chunk, device=device)
 
     def bytes_sent(self) -> int:
-        """Payload bytes per call as megalite.mpu.comm counts them (an fp32 all-reduce of the
-        same tensor: 4 n): w - 1 payloads all-to-all and one all-gathered, w (c / 8 + 4)."""
-        return self.world * (self.chunk // BITS + SCALE_BYTES)
+        """Payload bytes per call as megalite.mpu.comm counts them (`payload_bytes`)."""
+        return self.payload_bytes(self.n, self.world)
+
+    @staticmethod
+    def payload_bytes(n: int, world: int) -> int:
+        """Bytes megalite.mpu.comm counts for one call on n elements over `world` ranks (an
+        fp32 all-reduce: 4 n): w - 1 payloads all-to-all and one all-gathered, w (c / 8 + 4)."""
+        return world * (chunk_size(n, world) // BITS + SCALE_BYTES)
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor, group) -> None:

@@ -46,6 +46,15 @@ class GradReducer(ABC):
     def restart(self, steps: int) -> None:
         """Continue at step `steps` of a checkpoint saved under another layout (state lost)."""
 
+    def stage_bytes(self, n: int, world: int) -> dict[str, int]:
+        """Payload bytes (megalite.mpu.comm's count) one reduction of n fp32 elements over
+        `world` ranks sends, per stage of the reducer (one stage, "": 4 n)."""
+        return {"": 4 * n}
+
+    def stage(self) -> str:
+        """The stage the next reduction is in (a key of `stage_bytes`)."""
+        return ""
+
 
 class AllReduce(GradReducer):
     """Sum over the group into every element (no_shard; tied-embedding buckets)."""

@@ -39,6 +39,9 @@ class OptimizerKind:
     reducer: ReducerFactory = default_reducer            # how DP buckets' grads travel
     reducer_settings: Callable[[object], dict] | None = None  # reducer keywords from config
     check_run: Callable[[object, int], None] | None = None  # (Configs, DP x CP): refuse a run
+    # fp32 bytes per parameter the reducer keeps on every rank over DP x CP = n, whatever the
+    # sharding (the 1-bit family: momentum and worker error, server error / n)
+    reducer_bytes: Callable[[int], float] = lambda n: 0.0
 
     def make_reducer(self, config) -> ReducerFactory:
         """The DP buckets' ReducerFactory under `config`: `reducer`, given its settings."""
@@ -93,7 +96,8 @@ SGD = OptimizerKind("sgd", build_sgd,
 ONEBIT_ADAM = OptimizerKind("onebit_adam", build_onebit_adam,
                             lambda config: ("exp_avg", "exp_avg_sq"), scalar_keys=("step",),
                             reducer=MomentumReducer, reducer_settings=momentum_reducer_settings,
-                            check_run=check_onebit_run)
+                            check_run=check_onebit_run,
+                            reducer_bytes=lambda n: FP32_BYTES * (2 + 1 / n))
 OPTIMIZER_KINDS = (ADAM, SGD, ONEBIT_ADAM)
 
 

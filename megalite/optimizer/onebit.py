@@ -43,6 +43,12 @@ class MomentumReducer(GradReducer):
         """Whether the next step is in the compressed stage."""
         return self.steps >= self.freeze_step
 
+    def stage(self) -> str:
+        return "compressed" if self.compressing() else "warm-up"
+
+    def stage_bytes(self, n: int, world: int) -> dict[str, int]:
+        return {"warm-up": 4 * n, "compressed": CompressedAllReduce.payload_bytes(n, world)}
+
     def start(self, flat: torch.Tensor, group) -> None:
         world = comm.world_size(group)
         if self.momentum is None:
