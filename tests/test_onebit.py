@@ -9,6 +9,8 @@ references written here from the papers' equations (Tang et al. 2021, DeepSpeed'
   flat grads (the local grads of both DP ranks, gathered);
 - resume after SIGTERM (--exit-interval) is bitwise exact; bad combinations are one line.
 """
+import contextlib
+import io
 import math
 
 import pytest
@@ -248,22 +250,36 @@ def _both_layouts() -> dict:
 ONEBIT = ["--optimizer", "onebit_adam", "--freeze-step", "2", "--clip-grad", "0"]
 
 
-def _straight_and_resumed(prefix: str, root: str, layout: list[str]) -> tuple[dict, dict]:
+def _straight_resumed_resharded(prefix: str, root: str, layout: list[str]) -> tuple:
+    """Losses of 6 steps straight, of steps 4-6 after an exit at 3, and of steps 7-8 on DP 4
+    (PP 1) from the step-6 checkpoint, with rank 0's output of that last run."""
     straight = train(tiny_args(prefix, f"{root}/straight", 6, *layout))
     train(tiny_args(prefix, f"{root}/resumed", 6, "--exit-interval", "3", *layout))
-    return straight, train(tiny_args(prefix, f"{root}/resumed", 6, "--load",
-                                     f"{root}/resumed", *layout))
+    resumed = train(tiny_args(prefix, f"{root}/resumed", 6, "--load", f"{root}/resumed",
+                              *layout))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        resharded = train(tiny_args(prefix, f"{root}/resharded", 8, "--load", f"{root}/resumed",
+                                    "--dp", "4", *ONEBIT))
+    return straight, resumed, resharded, out.getvalue()
 
 
 def test_resume_in_the_compressed_stage_is_bitwise_exact(tmp_path):
-    """PP2 x DP2 with ZeRO-1: exit after step 3 (compressed since step 3), resume 4..6."""
+    """PP2 x DP2 with ZeRO-1: exit after step 3 (compressed since step 3), resume 4..6; then
+    on DP 4 without ZeRO-1 (one line; the start line and the log name the stage and bytes)."""
     prefix = make_dataset(str(tmp_path))
     layout = ["--pp", "2", "--dp", "2", "--use-distributed-optimizer", *ONEBIT]
-    straight, resumed = run_on_ranks(4, _straight_and_resumed, prefix, str(tmp_path),
-                                     layout)[0]
+    straight, resumed, resharded, printed = run_on_ranks(
+        4, _straight_resumed_resharded, prefix, str(tmp_path), layout)[0]
     assert sorted(resumed) == [4, 5, 6]
     assert [resumed[i] for i in (4, 5, 6)] == [straight[i] for i in (4, 5, 6)], (straight,
                                                                               resumed)
+    # another layout: the reducers restart from the optimizer's exp_avg, training goes on
+    assert "the gradient reducers restart at iteration 6" in printed, printed
+    assert "optimizer onebit_adam | sharding no_shard | DP reduction per step" in printed
+    assert "now in compressed" in printed and "DP MB/step" in printed
+    assert sorted(resharded) == [7, 8] and all(math.isfinite(v) for v in resharded.values())
+    assert abs(resharded[7] - straight[6]) < 0.1 * straight[6], (straight, resharded)
 
 
 @pytest.mark.parametrize("argv,world,expected", [

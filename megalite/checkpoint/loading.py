@@ -82,7 +82,8 @@ def load(root: str, model: list[torch.nn.Module], optimizer, scheduler,
     rank_state = load_state(rank_state_path(reader.directory, dist.get_rank())) \
         if restores_rng(meta, layout) else None
     if restores_optimizer(meta, settings):
-        restore_reducers(model, rank_state.get("reducers") if rank_state else None, iteration)
+        restore_reducers(model, optimizer, rank_state.get("reducers") if rank_state else None,
+                         iteration)
     if rank_state is not None:
         set_rng_state(rank_state["rng"])
     else:

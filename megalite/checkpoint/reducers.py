@@ -2,10 +2,14 @@
 momentum and error buffers) in each rank's state file, beside its RNG states.
 
 It belongs to one bucket of one rank, so it is restored under the saved layout only; under
-another the reducers restart from zero at the checkpoint's iteration (one printed line).
+another every reducer restarts at the checkpoint's iteration (one printed line) from the
+optimizer's per-element state (`GradReducer.restart`: the 1-bit momentum from the loaded
+exp_avg, the error buffers at zero).
 """
 import torch
 import torch.distributed as dist
+
+from megalite.mpu import comm
 
 
 def _buckets(model: list[torch.nn.Module]) -> list:
@@ -20,18 +24,37 @@ def reducer_states(model: list[torch.nn.Module]) -> list[dict]:
             for bucket in _buckets(model)]
 
 
-def restore_reducers(model: list[torch.nn.Module], states: list[dict] | None,
+def bucket_state(chunk: torch.nn.Module, bucket, optimizer, key: str) -> torch.Tensor:
+    """The optimizer's per-element state `key` of every parameter in `bucket`, laid out as
+    the bucket's flat grads [n] (zeros where none); a sharded bucket's pieces are summed over
+    its DP group (collective there), each element being stepped by one rank."""
+    buffer = next(b for b in chunk.grad_buffers if bucket in b.buckets)
+    flat = torch.zeros(bucket.end - bucket.start, device=bucket.grad_data.device)
+    members = set(bucket.params)
+    for fragment in optimizer.fragments:
+        state = optimizer.optimizer.state.get(fragment.main, {})
+        if fragment.model_param in members and key in state:
+            start = buffer.ranges[fragment.model_param][0] - bucket.start + fragment.offset
+            flat[start:start + fragment.main.numel()] = state[key].view(-1)
+    if chunk.use_distributed_optimizer and bucket.dp > 1:
+        comm.all_reduce(flat, bucket.group)
+    return flat
+
+
+def restore_reducers(model: list[torch.nn.Module], optimizer, states: list[dict] | None,
                      iteration: int) -> None:
     """Load `reducer_states` saved under this layout, or (None) restart every reducer at
-    `iteration` with fresh state."""
+    `iteration` from the loaded optimizer state."""
     buckets = _buckets(model)
     if states is not None:
         for bucket, state in zip(buckets, states, strict=True):
             bucket.reducer.load_state_dict(state, bucket.group)
         return
-    for bucket in buckets:
-        bucket.reducer.restart(iteration)
+    for chunk in model:
+        for bucket in getattr(chunk, "buckets", list)():
+            bucket.reducer.restart(iteration, lambda key: bucket_state(chunk, bucket,
+                                                                       optimizer, key))
     if any(bucket.reducer.state_dict() for bucket in buckets) and dist.get_rank() == 0:
-        print(f"checkpoint saved under another layout: the gradient reducers' state (1-bit "
-              f"momentum and error buffers) restarts at zero at iteration {iteration}",
-              flush=True)
+        print(f"checkpoint saved under another layout: the gradient reducers restart at "
+              f"iteration {iteration} (1-bit: error buffers at zero, momentum from the "
+              f"optimizer's exp_avg)", flush=True)

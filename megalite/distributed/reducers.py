@@ -43,8 +43,10 @@ class GradReducer(ABC):
     def load_state_dict(self, state: dict, group) -> None:
         """Restore `state_dict()` of the same bucket under the same layout."""
 
-    def restart(self, steps: int) -> None:
-        """Continue at step `steps` of a checkpoint saved under another layout (state lost)."""
+    def restart(self, steps: int, optimizer_state: Callable[[str], torch.Tensor]) -> None:
+        """Continue at step `steps` of a checkpoint saved under another layout, whose own
+        state is lost; `optimizer_state(key)` gives the optimizer's loaded per-element state
+        `key` (e.g. "exp_avg") as this bucket's flat [n] (a collective over its group)."""
 
     def stage_bytes(self, n: int, world: int) -> dict[str, int]:
         """Payload bytes (megalite.mpu.comm's count) one reduction of n fp32 elements over

@@ -53,6 +53,7 @@ class MomentumReducer(GradReducer):
         world = comm.world_size(group)
         if self.momentum is None:
             self.momentum = torch.zeros_like(flat)
+        if self.compressor is None:
             self.compressor = CompressedAllReduce(flat.numel(), world, flat.device)
         if not self.compressing():
             comm.all_reduce(flat, group)
@@ -65,21 +66,25 @@ class MomentumReducer(GradReducer):
         return None
 
     def state_dict(self) -> dict:
-        if self.momentum is None:
-            return {"steps": self.steps}
-        return {"steps": self.steps, "momentum": self.momentum,
-                "worker_error": self.compressor.worker_error,
-                "server_error": self.compressor.server_error}
+        state = {"steps": self.steps}
+        if self.momentum is not None:
+            state["momentum"] = self.momentum
+        if self.compressor is not None:
+            state.update(worker_error=self.compressor.worker_error,
+                         server_error=self.compressor.server_error)
+        return state
 
-    def restart(self, steps: int) -> None:
-        self.steps, self.momentum, self.compressor = steps, None, None
+    def restart(self, steps: int, optimizer_state) -> None:
+        """The momentum is the optimizer's exp_avg (the same on every DP rank), the errors 0."""
+        self.steps, self.momentum, self.compressor = steps, optimizer_state("exp_avg"), None
 
     def load_state_dict(self, state: dict, group) -> None:
         self.steps = state["steps"]
-        if "momentum" in state:
-            self.momentum = state["momentum"].clone()
-            self.compressor = CompressedAllReduce(self.momentum.numel(),
-                                                  comm.world_size(group), self.momentum.device)
+        self.momentum = state["momentum"].clone() if "momentum" in state else None
+        self.compressor = None
+        if "worker_error" in state:
+            self.compressor = CompressedAllReduce(self.momentum.numel(), comm.world_size(group),
+                                                  self.momentum.device)
             self.compressor.worker_error.copy_(state["worker_error"])
             self.compressor.server_error.copy_(state["server_error"])
 

@@ -81,7 +81,7 @@ def describe_optimizer(configs: Configs, model: list[torch.nn.Module]) -> str:
     line = f"optimizer {o.optimizer} | sharding {o.sharding}"
     if not buckets:
         return line
-    stages = ", ".join(f"{stage + ' ' if stage else ''}{sent / 2 ** 20:,.2f} MiB"
+    stages = ", ".join(f"{stage + ' ' if stage else ''}{sent / 2 ** 20:.3g} MiB"
                        for stage, sent in per_stage.items())
     start = buckets[0].reducer.stage()
     return line + f" | DP reduction per step: {stages}" + (f" | now in {start}" if start else "")
