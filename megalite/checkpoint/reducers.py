@@ -43,11 +43,14 @@ def bucket_state(chunk: torch.nn.Module, bucket, optimizer, key: str) -> torch.T
 
 def restore_reducers(model: list[torch.nn.Module], optimizer, states: list[dict] | None,
                      iteration: int) -> None:
-    """Load `reducer_states` saved under this layout, or (None) restart every reducer at
-    `iteration` from the loaded optimizer state."""
+    """Load `reducer_states` saved under this layout and bucket size, or (None, or other
+    buckets) restart every reducer at `iteration` from the loaded optimizer state."""
     buckets = _buckets(model)
-    if states is not None:
-        for bucket, state in zip(buckets, states, strict=True):
+    sizes = [bucket.end - bucket.start for bucket in buckets]
+    if states is not None and len(states) == len(buckets) and all(  # else other buckets
+            "momentum" not in state or state["momentum"].numel() == size
+            for state, size in zip(states, sizes)):
+        for bucket, state in zip(buckets, states):
             bucket.reducer.load_state_dict(state, bucket.group)
         return
     for chunk in model:
@@ -55,6 +58,6 @@ def restore_reducers(model: list[torch.nn.Module], optimizer, states: list[dict]
             bucket.reducer.restart(iteration, lambda key: bucket_state(chunk, bucket,
                                                                        optimizer, key))
     if any(bucket.reducer.state_dict() for bucket in buckets) and dist.get_rank() == 0:
-        print(f"checkpoint saved under another layout: the gradient reducers restart at "
-              f"iteration {iteration} (1-bit: error buffers at zero, momentum from the "
-              f"optimizer's exp_avg)", flush=True)
+        print(f"checkpoint saved under another layout or bucket size: the gradient reducers "
+              f"restart at iteration {iteration} (1-bit: error buffers at zero, momentum "
+              f"from the optimizer's exp_avg)", flush=True)
