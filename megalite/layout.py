@@ -98,6 +98,8 @@ class RunLayout:
         o = configs.optimizer
         check_decay_iters(o.lr_decay_style, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters)
         check_sharding(o, schedule)
+        if optimizer_kind(o.optimizer).check_run is not None:
+            optimizer_kind(o.optimizer).check_run(configs, grid.dp * grid.cp)
         return cls(grid, schedule, t.micro_batch_size, global_batch, microbatches, t.seq_length,
                    p.sequence_parallel, o.sharding, o.optimizer_cpu_offload)
 

@@ -17,7 +17,7 @@ from tests.helpers.multirank import run_on_ranks
 
 FIELDS = {"lm loss", "learning rate", "grad norm", "loss scale", "skipped steps",
           "ms per iteration", "data ms per iteration", "tokens per second",
-          "TFLOP/s per device", "peak memory MB",
+          "TFLOP/s per device", "peak memory MB", "DP bytes per step",
           "validation lm loss", "validation perplexity"}
 
 

@@ -12,6 +12,7 @@ from megalite.checkpoint.files import (CheckpointFileError, load_state, read_jso
 from megalite.checkpoint.legacy import legacy_index
 from megalite.checkpoint.metadata import (LEGACY_FORMAT, check_compatible, current_layout,
                                           read_meta, restores_optimizer, restores_rng)
+from megalite.checkpoint.reducers import restore_reducers
 from megalite.checkpoint.rng import reseed, set_rng_state
 from megalite.checkpoint.shards import INDEX, ShardReader, verify_files
 from megalite.checkpoint.state import load_optimizer, load_weights
@@ -78,8 +79,13 @@ def load(root: str, model: list[torch.nn.Module], optimizer, scheduler,
         if dist.get_rank() == 0:
             print(f"loaded weights only (checkpoint optimizer {meta.get('optimizer')}, this run "
                   f"{settings}): the optimizer state starts fresh", flush=True)
-    if restores_rng(meta, layout):
-        set_rng_state(load_state(rank_state_path(reader.directory, dist.get_rank()))["rng"])
+    rank_state = load_state(rank_state_path(reader.directory, dist.get_rank())) \
+        if restores_rng(meta, layout) else None
+    if restores_optimizer(meta, settings):
+        restore_reducers(model, optimizer, rank_state.get("reducers") if rank_state else None,
+                         iteration)
+    if rank_state is not None:
+        set_rng_state(rank_state["rng"])
     else:
         reseed(seed, iteration)
         if dist.get_rank() == 0:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megalite.checkpoint.dirs import iteration_dir, prune_checkpoints, publish, rank_state_path
 from megalite.checkpoint.files import save_state, write_json
 from megalite.checkpoint.metadata import FORMAT, current_layout, params_dtype_name, save_tokenizer
+from megalite.checkpoint.reducers import reducer_states
 from megalite.checkpoint.rng import rng_state
 from megalite.checkpoint.shards import ShardWriter, merge_index
 from megalite.checkpoint.staging import AsyncStaging
@@ -109,7 +110,7 @@ def save(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
     collect_shards(model, optimizer, writer)
     if async_save:
         writer.tensors = STAGING.stage(writer.tensors, optimizer)
-    rng = rng_state()
+    rng, reducers = rng_state(), reducer_states(model)
     meta = None
     if rank == 0:
         meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
@@ -122,7 +123,7 @@ def save(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
 
     def write() -> None:
         writer.write(tmp)
-        save_state(rank_state_path(tmp, rank), {"rng": rng})
+        save_state(rank_state_path(tmp, rank), {"rng": rng, "reducers": reducers})
     pending = PendingSave(root, iteration, tmp, write, meta, keep_latest,
                           STAGING if async_save else None)
     if not async_save:

@@ -99,6 +99,9 @@ class OptimizerConfig(Section):
     muon_fp32_matmul_prec: str = arg("medium", "Muon: Newton-Schulz matmuls in bf16 (medium, "
                                      "torch.optim.Muon's) or fp32 (high, highest)",
                                      choices=("medium", "high", "highest"))
+    freeze_step: int = arg(100, "onebit_adam: AdamW warm-up steps before the variance freezes "
+                           "and the momentum travels 1-bit compressed (DeepSpeed's name; "
+                           "its papers warm up for 15 to 25 percent of the run)", min=1)
     clip_grad: float = arg(1.0, "clip the global grad L2 norm to this (0: off)", min=0.0)
     use_distributed_optimizer: bool = arg(
         False, "shard optimizer state over DP (ZeRO-1): --data-parallel-sharding-strategy optim")

@@ -25,7 +25,9 @@ class Bucket:
     """Elements [start, end) of a GradBuffer, reduced over the DP `group` by `reducer`
     (megalite.distributed.reducers: an all-reduce, or for the distributed optimizer a
     reduce-scatter that leaves the reduced values in this rank's shard only). Grads are
-    divided by `mean_over` (default: the group's size) first, the DP mean.
+    divided by `mean_over` (default: the group's size) first, the DP mean. `bytes_sent`
+    counts the payload bytes of its DP collectives (reductions and param all-gathers; as
+    megalite.mpu.comm counts them) since it was built.
     """
 
     def __init__(self, params: list[nn.Parameter], grad_data: torch.Tensor,
@@ -36,7 +38,7 @@ class Bucket:
         self.group, self.dp = group, comm.world_size(group)
         self.mean_over = mean_over or self.dp
         self.rank = dist.get_rank(group) if self.dp > 1 else 0
-        self.reducer = reducer
+        self.reducer, self.bytes_sent = reducer, 0
         self.reset()
 
     def reset(self) -> None:
@@ -64,7 +66,9 @@ class Bucket:
         if self.mean_over > 1:
             self.grad_data.div_(self.mean_over)
         if self.dp > 1:
-            self.handle = self.reducer.start(self.grad_data, self.group)
+            with comm.count_bytes() as moved:
+                self.handle = self.reducer.start(self.grad_data, self.group)
+            self.bytes_sent += sum(moved.values())
 
     def finish_grad_sync(self) -> None:
         """Wait for the reduction, launching it first if backward did not."""
@@ -77,8 +81,10 @@ class Bucket:
     def gather_params(self) -> None:
         """All-gather every rank's shard of the param buffer on the DP group (sharded only)."""
         if self.dp > 1:
-            comm.all_gather_into(self.param_data, self._local(self.param_data).clone(),
-                                 self.group)
+            with comm.count_bytes() as moved:
+                comm.all_gather_into(self.param_data, self._local(self.param_data).clone(),
+                                     self.group)
+            self.bytes_sent += sum(moved.values())
 
 
 class GradBuffer:

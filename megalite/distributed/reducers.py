@@ -36,6 +36,27 @@ class GradReducer(ABC):
         if handle is not None:
             handle.wait()
 
+    def state_dict(self) -> dict:
+        """State carried from step to step (error buffers; checkpointed per rank): none."""
+        return {}
+
+    def load_state_dict(self, state: dict, group) -> None:
+        """Restore `state_dict()` of the same bucket under the same layout."""
+
+    def restart(self, steps: int, optimizer_state: Callable[[str], torch.Tensor]) -> None:
+        """Continue at step `steps` of a checkpoint saved under another layout, whose own
+        state is lost; `optimizer_state(key)` gives the optimizer's loaded per-element state
+        `key` (e.g. "exp_avg") as this bucket's flat [n] (a collective over its group)."""
+
+    def stage_bytes(self, n: int, world: int) -> dict[str, int]:
+        """Payload bytes (megalite.mpu.comm's count) one reduction of n fp32 elements over
+        `world` ranks sends, per stage of the reducer (one stage, "": 4 n)."""
+        return {"": 4 * n}
+
+    def stage(self) -> str:
+        """The stage the next reduction is in (a key of `stage_bytes`)."""
+        return ""
+
 
 class AllReduce(GradReducer):
     """Sum over the group into every element (no_shard; tied-embedding buckets)."""

@@ -16,6 +16,7 @@ megalite.config sits below this package (tests/test_imports.py), so `--optimizer
 name and `optimizer_kind` refuses an unknown one with one line: megalite.layout calls it
 before any process group.
 """
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ import torch
 
 from megalite.distributed.reducers import ReducerFactory, default_reducer
 from megalite.optimizer import muon
+from megalite.optimizer.onebit import (MomentumReducer, build_onebit_adam, check_onebit_run,
+                                       momentum_reducer_settings)
 
 FP32_BYTES = 4  # optimizer state is kept in fp32, like the masters it steps
 
@@ -51,6 +54,17 @@ class OptimizerKind:
     # torch optimizer where its parameters live (the MixedPrecisionOptimizer `owner`)
     param_groups: Callable[[list, object], list[dict]] = weight_decay_groups
     attach: Callable[[torch.optim.Optimizer, object], None] = lambda optimizer, owner: None
+    reducer_settings: Callable[[object], dict] | None = None  # reducer keywords from config
+    check_run: Callable[[object, int], None] | None = None  # (Configs, DP x CP): refuse a run
+    # fp32 bytes per parameter the reducer keeps on every rank over DP x CP = n, whatever the
+    # sharding (the 1-bit family: momentum and worker error, server error / n)
+    reducer_bytes: Callable[[int], float] = lambda n: 0.0
+
+    def make_reducer(self, config) -> ReducerFactory:
+        """The DP buckets' ReducerFactory under `config`: `reducer`, given its settings."""
+        if self.reducer_settings is None:
+            return self.reducer
+        return functools.partial(self.reducer, **self.reducer_settings(config))
 
     def state_bytes(self, config) -> int:
         """Bytes of optimizer state per parameter (fp32 per state key): Adam 8, SGD 4 with
@@ -115,6 +129,12 @@ MUON = MuonKind("muon", build_muon, lambda config: ("momentum_buffer", "exp_avg"
                 scalar_keys=("step",), param_groups=muon.muon_param_groups,
                 attach=muon.Muon.attach)
 OPTIMIZER_KINDS = (ADAM, SGD, MUON)
+ONEBIT_ADAM = OptimizerKind("onebit_adam", build_onebit_adam,
+                            lambda config: ("exp_avg", "exp_avg_sq"), scalar_keys=("step",),
+                            reducer=MomentumReducer, reducer_settings=momentum_reducer_settings,
+                            check_run=check_onebit_run,
+                            reducer_bytes=lambda n: FP32_BYTES * (2 + 1 / n))
+OPTIMIZER_KINDS = (ADAM, SGD, ONEBIT_ADAM)
 
 
 def optimizer_kind(name: str) -> OptimizerKind:

@@ -94,10 +94,13 @@ def state_bytes_per_param(precision: str, strategy: str = NO_SHARD.name, n: int 
     12/N on the gradient buffer (no_shard / optim), 16/N under FSDP2 (optim_grads,
     optim_grads_params) whatever the precision. Offloaded, the gradient buffer's optimizer
     keeps an fp32 master and Adam m, v on the host (12 or 12/N bytes, also for fp32
-    params); FSDP2 keeps all its 16/N there."""
+    params); FSDP2 keeps all its 16/N there. The optimizer kind's reducer state (1-bit
+    family: 8 + 4/N) is added to the optimizer's, on the device and unsharded."""
     record = sharding_strategy(strategy)
     components = held_components(precision, record, offload, optimizer_state_bytes(optimizer))
     parts = record.bytes_per_param(*components, n, held=True)
+    parts["optimizer"] += optimizer_kind((optimizer or OptimizerConfig()).optimizer
+                                         ).reducer_bytes(n)
     return StateBytes(**parts, host=sum(parts[c] for c in record.offloaded) if offload else 0.0)
 
 

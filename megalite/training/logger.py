@@ -18,6 +18,11 @@ from megalite.planning.flops import flops_per_iteration
 from megalite.training.log_writers import ScalarWriters
 
 
+def dp_bytes_sent(model: list[nn.Module]) -> int:
+    """Payload bytes this rank's DP buckets have sent (reductions, ZeRO-1 param gathers)."""
+    return sum(b.bytes_sent for chunk in model for b in getattr(chunk, "buckets", list)())
+
+
 def log(message: str) -> None:
     """Print once per job (global rank 0)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -51,6 +56,7 @@ class TrainingLogger:
         self.grad_norm: float | None = None  # of the last step (None: not computed)
         self.skipped = self.steps = 0
         self.start, self.data_seconds = time.time(), 0.0
+        self.dp_bytes_logged = dp_bytes_sent(model)
         t = configs.train
         writes = dist.get_rank() == dist.get_world_size() - 1
         self.writers = ScalarWriters(t.tensorboard_dir, t.wandb_project,
@@ -72,6 +78,8 @@ class TrainingLogger:
             return
         elapsed = (time.time() - self.start) / self.steps
         moe_stats, drop_fields = self._moe_stats(), self._layer_drop_fields(iteration)
+        sent = dp_bytes_sent(self.model)
+        dp_bytes, self.dp_bytes_logged = (sent - self.dp_bytes_logged) / self.steps, sent
         fields = {
             self.loss_key: sum(self.losses) / len(self.losses) if self.losses else math.nan,
             "learning rate": lr,
@@ -83,6 +91,7 @@ class TrainingLogger:
             "TFLOP/s per device": self.flop_total / self.steps / elapsed
             / dist.get_world_size() / 1e12,
             "peak memory MB": peak_memory_mb(device.current_device()),
+            "DP bytes per step": dp_bytes,
             **drop_fields, **moe_stats}
         self.writers.write(fields, iteration)
         parts = [f"iteration {iteration:6d}/{t.train_iters:6d}",
@@ -97,7 +106,8 @@ class TrainingLogger:
                   f"data ms/iter {fields['data ms per iteration']:.2f}",
                   f"tokens/s {fields['tokens per second']:,.0f}",
                   f"TFLOP/s/device {fields['TFLOP/s per device']:.4f}",
-                  f"mem {fields['peak memory MB']:,.0f} MB", f"skipped {self.skipped}"]
+                  f"mem {fields['peak memory MB']:,.0f} MB",
+                  f"DP MB/step {dp_bytes / 2 ** 20:.3f}", f"skipped {self.skipped}"]
         log(" | ".join(parts))
         self.losses, self.skipped, self.steps = [], 0, 0
         self.start, self.data_seconds = time.time(), 0.0

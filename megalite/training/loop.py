@@ -32,7 +32,8 @@ from megalite.training import checks
 from megalite.training.checks import StartError, check_before_start
 from megalite.training.logger import TrainingLogger, log
 from megalite.training.resilience import ExitSignalHandler, SkipGuard, inject_faults
-from megalite.training.setup import build_model, log_model_state, log_pipeline, setup_parallel
+from megalite.training.setup import (build_model, describe_optimizer, log_model_state,
+                                     log_pipeline, setup_parallel)
 from megalite.training.task import Run, Task
 
 
@@ -200,6 +201,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
         f"{layout.global_batch_size} = {layout.num_microbatches} microbatches x "
         f"{layout.micro_batch_size} x DP | {device.device_type()} + {device.backend()}")
     log_model_state(configs, layout, model)
+    log(describe_optimizer(configs, model))
     log_pipeline(configs, layout)
     logger = TrainingLogger(configs, layout, model, task.loss_key, task.flops(configs, layout))
     run = Run(configs, layout, task, model, optimizer, scheduler, logger, valid_batches,

@@ -67,6 +67,25 @@ def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Mo
             f"{' (asynchronous)' if configs.checkpoint.async_save else ''}")
 
 
+def describe_optimizer(configs: Configs, model: list[torch.nn.Module]) -> str:
+    """The start line of the optimizer: its name, the sharding strategy and rank 0's DP
+    reduction bytes per step (megalite.mpu.comm's count) in each stage of its buckets'
+    reducers, naming the stage the run starts in (1-bit family: warm-up, compressed)."""
+    o = configs.optimizer
+    buckets = [b for chunk in model for b in getattr(chunk, "buckets", list)() if b.dp > 1]
+    per_stage: dict[str, int] = {}
+    for bucket in buckets:
+        for stage, sent in bucket.reducer.stage_bytes(bucket.end - bucket.start,
+                                                      bucket.dp).items():
+            per_stage[stage] = per_stage.get(stage, 0) + sent
+    line = f"optimizer {o.optimizer} | sharding {o.sharding}"
+    if not buckets:
+        return line
+    stages = ", ".join(f"{stage + ' ' if stage else ''}{sent / 2 ** 20:.3g} MiB"
+                       for stage, sent in per_stage.items())
+    start = buckets[0].reducer.stage()
+    return line + f" | DP reduction per step: {stages}" + (f" | now in {start}" if start else "")
+
 
 def setup_parallel(configs: Configs, layout: RunLayout) -> None:
     """Join the job, build the process grid of the layout and seed the RNG streams."""
@@ -103,5 +122,5 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
     return [DistributedDataParallel(chunk, bucket_size=o.ddp_bucket_size,
                                     overlap_grad_reduce=overlap,
                                     use_distributed_optimizer=strategy.shards_optimizer,
-                                    make_reducer=optimizer_kind(o.optimizer).reducer)
+                                    make_reducer=optimizer_kind(o.optimizer).make_reducer(o))
             for chunk in chunks]

@@ -1,0 +1,82 @@
+"""Wall time and bytes of the 1-bit compressed all-reduce against fp32 DP reductions.
+
+    python benchmarks/bench_compressed_allreduce.py [--ranks 8 --elements 25000000]
+
+On `--ranks` gloo CPU ranks (OMP_NUM_THREADS=1 each), one flat fp32 gradient of `--elements`
+per rank, reduced by:
+
+- the fp32 all-reduce (megalite's no_shard bucket reduction, one bucket);
+- the bucketed reduce-scatter (the distributed optimizer's, `--bucket-size` buckets);
+- the 1-bit compressed all-reduce with error feedback (megalite.distributed.compressed).
+
+Bytes are megalite.mpu.comm's payload counts per rank per reduction; seconds the median of
+`--steps` reductions after `--warmup` (the ranks start together). Prints figures; asserts
+nothing.
+"""
+import torch
+import torch.distributed as dist
+from common import benchmark_parser, machine_line, median_seconds, turn_order
+
+from megalite.distributed.compressed import CompressedAllReduce
+from megalite.distributed.rank_pool import RankPool
+from megalite.mpu import comm
+
+
+def measure(elements: int, bucket_size: int, steps: int, warmup: int) -> dict:
+    """{method: (median seconds, bytes counted per reduction)} on this rank."""
+    group, world = dist.group.WORLD, dist.get_world_size()
+    flat = torch.randn(elements, generator=torch.Generator().manual_seed(dist.get_rank()))
+    compressed = CompressedAllReduce(elements, world, flat.device)
+    per_bucket = -(-min(bucket_size, elements) // world) * world
+    padded = torch.zeros(-(-elements // per_bucket) * per_bucket)
+
+    def reduce_scatter() -> None:
+        rank = dist.get_rank()
+        for bucket in padded.split(per_bucket):
+            shard = bucket.numel() // world
+            comm.reduce_scatter(bucket[rank * shard:(rank + 1) * shard], bucket, group)
+
+    methods = {"fp32 all-reduce": lambda: comm.all_reduce(flat, group),
+               "bucketed reduce-scatter": reduce_scatter,
+               "1-bit compressed all-reduce": lambda: compressed(flat, group)}
+    results = {}
+    for round_index in range(2):
+        for name in turn_order(methods, round_index):
+            with comm.count_bytes() as moved:
+                seconds = median_seconds(lambda _: methods[name](), steps, warmup,
+                                         barrier=True)
+            best = results.get(name, (float("inf"), 0))[0]
+            results[name] = (min(best, seconds), sum(moved.values()) // (steps + warmup))
+    return results
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, ranks=8, steps=3, warmup=1)
+    parser.add_argument("--elements", type=int, default=25_000_000,
+                        help="fp32 gradient elements per rank")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds the ranks may take (a loaded 2-core machine is slow)")
+    parser.add_argument("--bucket-size", type=int, default=40_000_000,
+                        help="elements per reduce-scatter bucket (--ddp-bucket-size)")
+    args = parser.parse_args()
+    print(machine_line())
+    pool = RankPool(args.ranks)
+    try:
+        results = pool.run(measure, args.elements, args.bucket_size, args.steps, args.warmup,
+                           timeout=args.timeout)
+    finally:
+        pool.close()
+    seconds = {name: max(r[name][0] for r in results) for name in results[0]}
+    base_bytes = results[0]["fp32 all-reduce"][1]
+    print(f"DP {args.ranks} gloo, {args.elements:,} fp32 elements per rank "
+          f"({args.elements * 4 / 2 ** 20:.0f} MiB); bytes counted per rank per reduction")
+    print(f"{'method':28} {'seconds':>8} {'MiB':>9} {'bytes vs fp32 AR':>17} "
+          f"{'time vs fp32 AR':>16}")
+    for name in seconds:
+        sent = results[0][name][1]
+        print(f"{name:28} {seconds[name]:8.3f} {sent / 2 ** 20:9.2f} "
+              f"{base_bytes / sent:16.1f}x {seconds['fp32 all-reduce'] / seconds[name]:15.2f}x")
+
+
+if __name__ == "__main__":
+    main()

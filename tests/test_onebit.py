@@ -1,0 +1,307 @@
+"""The 1-bit family (megalite.optimizer.onebit, megalite.distributed.compressed) against
+references written here from the papers' equations (Tang et al. 2021, DeepSpeed's algorithm):
+
+- the compressed all-reduce at DP 2, 4 and 8 over several steps (error feedback exercised)
+  equals a single-process reference: sign (x >= 0 -> +1), scale = ||chunk|| / sqrt(c) per
+  chunk, worker and server errors; bits travel 8 per byte;
+- onebit_adam at TP2 x PP2 x DP2, plain and with ZeRO-1: its warm-up steps equal
+  torch.optim.AdamW exactly, its compressed steps a reference 1-bit Adam over each bucket's
+  flat grads (the local grads of both DP ranks, gathered);
+- resume after SIGTERM (--exit-interval) is bitwise exact; bad combinations are one line.
+"""
+import contextlib
+import io
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.config.cli import parse_configs
+from megalite.layout import RunLayout
+from tests.helpers.gpt_run import make_dataset, tiny_args, train
+from tests.helpers.multirank import run_on_ranks
+
+N, STEPS = 1000, 3  # elements per rank (not a multiple of 8 x DP: padding exercised), steps
+
+
+def inputs(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(N, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def reference_compress(rows: torch.Tensor) -> torch.Tensor:
+    """Rows [r, c] -> sign(row) * ||row|| / sqrt(c), sign(0) = +1."""
+    scale = rows.pow(2).sum(1, keepdim=True).sqrt() / math.sqrt(rows.shape[1])
+    return torch.where(rows >= 0, 1.0, -1.0) * scale
+
+
+def reference_allreduce(xs: list[torch.Tensor], worker: list[torch.Tensor],
+                        server: list[torch.Tensor]) -> torch.Tensor:
+    """One step of the compressed average of xs (one per rank); updates the error lists."""
+    w, n = len(xs), xs[0].numel()
+    c = math.ceil(n / (8 * w)) * 8
+    sent = []
+    for r, x in enumerate(xs):
+        padded = torch.zeros(w * c)
+        padded[:n] = x
+        padded += worker[r]
+        approx = reference_compress(padded.view(w, c)).view(-1)
+        worker[r] = padded - approx
+        sent.append(approx.view(w, c))
+    out = []
+    for k in range(w):
+        served = sum(sent[r][k] for r in range(w)) / w + server[k]
+        approx = reference_compress(served.view(1, c)).view(-1)
+        server[k] = served - approx
+        out.append(approx)
+    return torch.cat(out)[:n]
+
+
+def _compressed_steps() -> dict:
+    from megalite.distributed.compressed import CompressedAllReduce, pack_signs
+    from megalite.mpu import comm
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reducer, outputs, counted = CompressedAllReduce(N, world, torch.device("cpu")), [], []
+    for step in range(STEPS):
+        x = inputs(step, rank)
+        with comm.count_bytes() as moved:
+            reducer(x, dist.group.WORLD)
+        outputs.append(x)
+        counted.append(sum(moved.values()))
+    packed = pack_signs(torch.randn(64))
+    return {"outputs": outputs, "counted": counted, "bytes_sent": reducer.bytes_sent(),
+            "packed": (packed.dtype, packed.numel())}
+
+
+@pytest.mark.parametrize("world", (2, 4, 8))
+def test_compressed_allreduce_equals_the_reference(world):
+    results = run_on_ranks(world, _compressed_steps)
+    c = math.ceil(N / (8 * world)) * 8
+    worker, server = [torch.zeros(world * c)] * world, [torch.zeros(c)] * world
+    for step in range(STEPS):
+        want = reference_allreduce([inputs(step, r) for r in range(world)], worker, server)
+        for rank, result in enumerate(results):
+            err = (result["outputs"][step] - want).abs().max() / want.abs().max()
+            assert err <= 1e-6, (world, step, rank, err.item())
+    for result in results:
+        assert result["packed"] == (torch.uint8, 8)
+        # the comm accounting's figure: (w - 1) payloads all-to-all + one all-gathered
+        assert result["counted"] == [result["bytes_sent"]] * STEPS == [world * (c // 8 + 4)] * STEPS
+        assert 4 * N / result["bytes_sent"] > 20  # vs an fp32 all-reduce's payload
+
+
+LR, WD, BETAS, EPS, FREEZE, TRAIN_STEPS = 1e-2, 0.1, (0.9, 0.95), 1e-8, 2, 4
+
+
+class Recording:
+    """Wraps a bucket's reducer: keeps its flat grads before (g_r / DP) and after."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.flat, self.before, self.after = inner, None, None, None
+
+    def start(self, flat: torch.Tensor, group) -> object:
+        self.flat, self.before = flat, flat.clone()
+        handle = self.inner.start(flat, group)
+        if handle is None:  # done already: the bucket will not call wait
+            self.after = flat.clone()
+        return handle
+
+    def wait(self, handle: object) -> None:
+        self.inner.wait(handle)
+        self.after = self.flat.clone()
+
+
+class BucketReference:
+    """1-bit Adam on one bucket's flat elements from the papers' equations; its warm-up is
+    torch.optim.AdamW (foreach=False) on copies of the bucket's parameters."""
+
+    def __init__(self, bucket, ranges: dict, world: int) -> None:
+        self.bucket, self.world = bucket, world
+        self.spans = [(p, ranges[p][0] - bucket.start, ranges[p][1] - bucket.start)
+                      for p in bucket.params]
+        self.copies = [p.detach().clone().view(-1) for p, _, _ in self.spans]
+        decayed = [c for (p, _, _), c in zip(self.spans, self.copies) if p.ndim > 1]
+        kept = [c for (p, _, _), c in zip(self.spans, self.copies) if p.ndim <= 1]
+        self.adamw = torch.optim.AdamW([{"params": decayed, "weight_decay": WD},
+                                        {"params": kept, "weight_decay": 0.0}],
+                                       lr=LR, betas=BETAS, eps=EPS, foreach=False)
+        n, self.p = bucket.end - bucket.start, None
+        c = math.ceil(n / (8 * world)) * 8
+        self.worker, self.server = [torch.zeros(world * c)] * world, [torch.zeros(c)] * world
+        self.wd, self.real = torch.zeros(n), torch.zeros(n, dtype=torch.bool)  # real: no padding
+        for p, a, b in self.spans:
+            self.wd[a:b], self.real[a:b] = (WD if p.ndim > 1 else 0.0), True
+
+    def flat(self, key: str) -> torch.Tensor:
+        out = torch.zeros(self.bucket.end - self.bucket.start)
+        for (_, a, b), c in zip(self.spans, self.copies):
+            out[a:b] = self.adamw.state[c][key] if key else c
+        return out
+
+    def step(self, step: int, local_grads: list[torch.Tensor], mean_grads: torch.Tensor
+             ) -> torch.Tensor | None:
+        """Step `step` (1-based); returns the averaged momentum in the compressed stage."""
+        if step <= FREEZE:
+            for (_, a, b), c in zip(self.spans, self.copies):
+                c.grad = mean_grads[a:b].clone()
+            self.adamw.step()
+            if step == FREEZE:
+                self.m, self.v = self.flat("exp_avg"), self.flat("exp_avg_sq")
+                self.p = self.flat("")
+            return None
+        beta1, beta2 = BETAS
+        self.m = reference_allreduce([torch.lerp(self.m, g, 1 - beta1) for g in local_grads],
+                                     self.worker, self.server)
+        v_hat = self.v / (1 - beta2 ** FREEZE)
+        self.p = self.p * (1 - LR * self.wd) - LR / (1 - beta1 ** step) * self.m / (
+            v_hat.sqrt() + EPS)
+        return self.m
+
+    def params(self) -> torch.Tensor:
+        """The bucket's flat params: the AdamW copies in the warm-up, then the reference's."""
+        return self.flat("") if self.p is None else self.p
+
+
+def _onebit_layout(sharded: bool) -> dict:
+    """TP2 x PP2 x DP2, 2-layer GPT (untied embeddings, no vocabulary padding), onebit_adam
+    for TRAIN_STEPS steps against BucketReference on every bucket of every rank."""
+    from megalite.config import ModelConfig, OptimizerConfig, PrecisionConfig
+    from megalite.device import current_device
+    from megalite.distributed import DistributedDataParallel
+    from megalite.distributed.finalize import finalize_model_grads
+    from megalite.models import GPTModel
+    from megalite.models.stage import build_model_chunks
+    from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
+    from megalite.mpu import parallel_state as ps
+    from megalite.optimizer import get_optimizer
+    from megalite.optimizer.kinds import optimizer_kind
+    from megalite.schedules import get_forward_backward_func
+    from megalite.tasks import gpt as pretrain_gpt
+    initialize_model_parallel(2, 2)
+    model_parallel_seed(1234, ps.get_tensor_model_parallel_rank(),
+                        ps.get_pipeline_model_parallel_rank())
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=96,
+                         make_vocab_size_divisible_by=1, max_position_embeddings=16,
+                         hidden_dropout=0.0, attention_dropout=0.0,
+                         untie_embeddings_and_output_weights=True)
+    opt = OptimizerConfig(optimizer="onebit_adam", lr=LR, lr_decay_style="constant",
+                          weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
+                          adam_eps=EPS, clip_grad=0.0, freeze_step=FREEZE,
+                          use_distributed_optimizer=sharded, ddp_bucket_size=3000)
+    factory = optimizer_kind("onebit_adam").make_reducer(opt)
+    chunks = build_model_chunks(lambda pre_process, post_process: GPTModel(
+        config, pre_process, post_process, init_seed=1234, device=current_device()))
+    model = [DistributedDataParallel(chunk, bucket_size=opt.ddp_bucket_size,
+                                     use_distributed_optimizer=sharded,
+                                     make_reducer=lambda s: Recording(factory(s)))
+             for chunk in chunks]
+    optimizer, _ = get_optimizer(opt, PrecisionConfig(), model)
+    group = ps.get_data_parallel_group()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    refs = [BucketReference(bucket, buffer.ranges, dp) for chunk in model
+            for buffer in chunk.grad_buffers for bucket in buffer.buckets]
+    gen = torch.Generator().manual_seed(5)
+    warmup_diff, momentum_err, update_err = 0.0, 0.0, 0.0
+    for step in range(1, TRAIN_STEPS + 1):
+        rows = torch.randint(0, 96, (dp * 4, 17), generator=gen).split(4)[dp_rank]
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=pretrain_gpt.forward_step,
+            data_iterator=iter([{"tokens": t.to(current_device())} for t in rows.split(2)]),
+            model=model[0], num_microbatches=2, seq_length=16, micro_batch_size=2)
+        finalize_model_grads(model)
+        before = [ref.params().clone() for ref in refs]
+        assert optimizer.step()[0]
+        for ref, old in zip(refs, before):
+            recorder = ref.bucket.reducer
+            local = comm.all_gather_stacked(recorder.before * dp, group).unbind(0)
+            want_m = ref.step(step, list(local), recorder.after)
+            got = torch.zeros_like(old)
+            for p, a, b in ref.spans:
+                got[a:b] = p.detach().view(-1)
+            if want_m is None:
+                warmup_diff = max(warmup_diff, (got - ref.flat("")).abs().max().item())
+                continue
+            momentum_err = max(momentum_err, ((recorder.after - want_m).abs().max()
+                                              / want_m.abs().max()).item())
+            got, want, old = (t[ref.real] for t in (got, ref.params(), old))
+            update_err = max(update_err, ((got - want).abs().max()
+                                          / (want - old).abs().max()).item())
+    return {"warmup_diff": warmup_diff, "momentum_err": momentum_err,
+            "update_err": update_err, "buckets": len(refs)}
+
+
+def test_onebit_adam_at_tp2_pp2_dp2_plain_and_zero1():
+    """Warm-up == torch AdamW bitwise; compressed steps == the reference (fp32)."""
+    results = run_on_ranks(8, _both_layouts)
+    for rank, per_layout in enumerate(results):
+        for sharded, r in per_layout.items():
+            assert r["warmup_diff"] == 0.0, (rank, sharded, r)
+            assert r["momentum_err"] <= 1e-5 and r["update_err"] <= 1e-5, (rank, sharded, r)
+            assert r["buckets"] >= 2, (rank, sharded, r)
+
+
+def _both_layouts() -> dict:
+    return {sharded: _onebit_layout(sharded) for sharded in (False, True)}
+
+
+ONEBIT = ["--optimizer", "onebit_adam", "--freeze-step", "2", "--clip-grad", "0"]
+
+
+def _straight_resumed_resharded(prefix: str, root: str, layout: list[str]) -> tuple:
+    """Losses of 6 steps straight, of steps 4-6 after an exit at 3, and of steps 7-8 on DP 4
+    (PP 1) from the step-6 checkpoint, with rank 0's output of that last run."""
+    straight = train(tiny_args(prefix, f"{root}/straight", 6, *layout))
+    train(tiny_args(prefix, f"{root}/resumed", 6, "--exit-interval", "3", *layout))
+    resumed = train(tiny_args(prefix, f"{root}/resumed", 6, "--load", f"{root}/resumed",
+                              *layout))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        resharded = train(tiny_args(prefix, f"{root}/resharded", 8, "--load", f"{root}/resumed",
+                                    "--dp", "4", *ONEBIT))
+    return straight, resumed, resharded, out.getvalue()
+
+
+def test_resume_in_the_compressed_stage_is_bitwise_exact(tmp_path):
+    """PP2 x DP2 with ZeRO-1: exit after step 3 (compressed since step 3), resume 4..6; then
+    on DP 4 without ZeRO-1 (one line; the start line and the log name the stage and bytes)."""
+    prefix = make_dataset(str(tmp_path))
+    layout = ["--pp", "2", "--dp", "2", "--use-distributed-optimizer", *ONEBIT]
+    straight, resumed, resharded, printed = run_on_ranks(
+        4, _straight_resumed_resharded, prefix, str(tmp_path), layout)[0]
+    assert sorted(resumed) == [4, 5, 6]
+    assert [resumed[i] for i in (4, 5, 6)] == [straight[i] for i in (4, 5, 6)], (straight,
+                                                                              resumed)
+    # another layout: the reducers restart from the optimizer's exp_avg, training goes on
+    assert "the gradient reducers restart at iteration 6" in printed, printed
+    assert "optimizer onebit_adam | sharding no_shard | DP reduction per step" in printed
+    assert "now in compressed" in printed and "DP MB/step" in printed
+    assert sorted(resharded) == [7, 8] and all(math.isfinite(v) for v in resharded.values())
+    assert abs(resharded[7] - straight[6]) < 0.1 * straight[6], (straight, resharded)
+
+
+@pytest.mark.parametrize("argv,world,expected", [
+    (["--data-parallel-sharding-strategy", "optim_grads"], 2, "its own reducer, which FSDP2"),
+    (["--data-parallel-sharding-strategy", "optim_grads_params"], 2, "its own reducer"),
+    (["--freeze-step", "10", "--train-iters", "10"], 2, r"--freeze-step \(10\) must be below"),
+    ([], 1, "needs DP x CP >= 2"),
+    (["--clip-grad", "1.0"], 2, "pass --clip-grad 0"),
+    (["--fp16"], 2, "cannot go with --fp16"),
+])
+def test_bad_combinations_are_one_line_before_any_process_group(argv, world, expected):
+    configs = parse_configs(ONEBIT + argv)
+    with pytest.raises(ValueError, match=expected) as error:
+        RunLayout.from_configs(configs, world)
+    assert "\n" not in str(error.value)
+
+
+def test_the_planner_counts_the_reducers_state():
+    """fp32 ZeRO-1 over 4: params 4 + grads 4 + m, v 8 / 4, + momentum and worker error 8 and
+    the server error 4 / 4 on every rank."""
+    from megalite.config import OptimizerConfig
+    from megalite.planning.state_bytes import state_bytes_per_param
+    got = state_bytes_per_param("fp32", "optim", 4,
+                                optimizer=OptimizerConfig(optimizer="onebit_adam"))
+    assert got.total == 4 + 4 + 8 / 4 + 8 + 4 / 4
