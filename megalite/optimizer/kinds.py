@@ -128,13 +128,13 @@ def build_muon(groups: list[dict], config) -> torch.optim.Optimizer:
 MUON = MuonKind("muon", build_muon, lambda config: ("momentum_buffer", "exp_avg", "exp_avg_sq"),
                 scalar_keys=("step",), param_groups=muon.muon_param_groups,
                 attach=muon.Muon.attach)
-OPTIMIZER_KINDS = (ADAM, SGD, MUON)
+
 ONEBIT_ADAM = OptimizerKind("onebit_adam", build_onebit_adam,
                             lambda config: ("exp_avg", "exp_avg_sq"), scalar_keys=("step",),
                             reducer=MomentumReducer, reducer_settings=momentum_reducer_settings,
                             check_run=check_onebit_run,
                             reducer_bytes=lambda n: FP32_BYTES * (2 + 1 / n))
-OPTIMIZER_KINDS = (ADAM, SGD, ONEBIT_ADAM)
+OPTIMIZER_KINDS = (ADAM, SGD, MUON, ONEBIT_ADAM)
 
 
 def optimizer_kind(name: str) -> OptimizerKind:
