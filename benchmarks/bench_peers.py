@@ -15,8 +15,10 @@ and runs their steps interleaved, each first every other step, so both see the s
 
 Per configuration: the largest relative difference of the losses (mean over DP), the median
 over runs of the median per-step ratio megalite / peer (< 1: megalite is faster), the peers'
-median step seconds, and per rank the rise of the resident set over each system's set-up and
-first step (MiB). The first step of each run is not timed.
+median step seconds, per rank the rise of the resident set over each system's set-up and
+first step and the process's peak resident set (MiB; the pool's processes serve several
+configurations), and the machine's load average when it ended. The first step of each run is
+not timed.
 
 DeepSpeed runs with its CPU accelerator (DS_ACCELERATOR=cpu: gloo without oneCCL; it JIT-builds
 its shared-memory comm op and, for offload, cpu_adam once, ~1.5 min, then cached), its torch
@@ -46,9 +48,10 @@ LR, BETAS, EPS, CLIP = 1e-3, (0.9, 0.95), 1e-8, 1.0
 def model_flags(args) -> list[str]:
     """megalite's flags of the compared Llama."""
     h = args.hidden_size
+    ffn = (8 * h // 3 + 15) // 16 * 16  # 688 at h 256
     return ["--num-layers", str(args.num_layers), "--hidden-size", str(h),
             "--num-attention-heads", str(args.num_attention_heads),
-            "--ffn-hidden-size", str((8 * h // 3 + 15) // 16 * 16), "--vocab-size", str(args.vocab_size),
+            "--ffn-hidden-size", str(ffn), "--vocab-size", str(args.vocab_size),
             "--make-vocab-size-divisible-by", "1", "--seq-length", str(args.seq_length),
             "--max-position-embeddings", str(args.seq_length),
             "--micro-batch-size", str(args.micro_batch_size),
@@ -279,32 +282,32 @@ def interleaved(setups: dict[str, Callable[[], Step]], tokens: list[torch.Tensor
             "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def _batches(flags: list[str], rank: int, steps: int) -> list[torch.Tensor]:
+    from megalite.config import parse_configs
+    configs = parse_configs(flags)
+    t = configs.train
+    return batches(rank, steps, configs.model.vocab_size, t.seq_length, t.micro_batch_size)
+
+
 def zero_task(flags: list[str], stage: int, offload: bool, steps: int, init_dir: str,
               megalite_only: bool) -> dict:
     """One run of ZeRO `stage` (+ offload) on every rank: megalite and DeepSpeed."""
-    from megalite.config import parse_configs
-    t = parse_configs(flags).train
-    flags = flags + ["--data-parallel-sharding-strategy", ZERO[stage]] + \
+    ours = flags + ["--data-parallel-sharding-strategy", ZERO[stage]] + \
         (["--optimizer-cpu-offload"] if offload else [])
-    setups = {"megalite": functools.partial(setup_megalite, flags, init_dir)}
+    setups = {"megalite": functools.partial(setup_megalite, ours, init_dir)}
     if not megalite_only:
-        setups["DeepSpeed"] = functools.partial(setup_deepspeed, stage, offload,
-                                                t.micro_batch_size, init_dir)
-    vocab = parse_configs(flags).model.vocab_size
-    return interleaved(setups, batches(torch.distributed.get_rank(), steps + 1, vocab,
-                                       t.seq_length, t.micro_batch_size))
+        micro_batch = int(flags[flags.index("--micro-batch-size") + 1])
+        setups["DeepSpeed"] = functools.partial(setup_deepspeed, stage, offload, micro_batch,
+                                                init_dir)
+    return interleaved(setups, _batches(flags, torch.distributed.get_rank(), steps + 1))
 
 
 def tp_task(flags: list[str], steps: int, init_dir: str, megalite_only: bool) -> dict:
     """One run at TP 2 on every rank: megalite and Megatron-core, rank 0's batches."""
-    from megalite.config import parse_configs
-    configs = parse_configs(flags)
-    t = configs.train
     setups = {"megalite": functools.partial(setup_megalite, flags + ["--tp", "2"], init_dir)}
     if not megalite_only:
         setups["Megatron-core"] = functools.partial(setup_mcore, flags, init_dir)
-    return interleaved(setups, batches(0, steps + 1, configs.model.vocab_size, t.seq_length,
-                                       t.micro_batch_size))
+    return interleaved(setups, _batches(flags, 0, steps + 1))
 
 
 def importable(module: str) -> str | None:
@@ -334,7 +337,8 @@ def report(name: str, runs: list[dict]) -> None:
         line += " - | - | - |"
     rise = " / ".join(",".join(f"{r['rise_mib'][s]:.0f}" for r in runs[0]["per_rank"])
                       for s in systems)
-    print(f"{line} {rise} | {max(r['peak_mib'] for r in runs[0]['per_rank']):.0f} |", flush=True)
+    peak = ",".join(f"{r['peak_mib']:.0f}" for r in runs[-1]["per_rank"])
+    print(f"{line} {rise} | {peak} | {os.getloadavg()[0]:.1f} |", flush=True)
 
 
 def main(argv: list[str] | None = None, run_on: Callable[..., list] | None = None) -> None:
@@ -366,8 +370,9 @@ def main(argv: list[str] | None = None, run_on: Callable[..., list] | None = Non
           f"seq {args.seq_length}, micro batch {args.micro_batch_size}, fp32, AdamW; 2 gloo "
           f"ranks; {args.steps} timed steps, {args.repeats} runs; torch {torch.__version__}\n")
     print("| configuration | megalite s/step | peer s/step | megalite / peer (runs) | "
-          "max rel. loss diff | RSS rise MiB ranks 0,1: megalite / peer | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
+          "max rel. loss diff | RSS rise MiB ranks 0,1: megalite / peer | "
+          "peak RSS MiB ranks 0,1 | load (1 min) |")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as init_dir:
         write_init(flags, init_dir)
         for name, (task, *task_args) in configs.items():
