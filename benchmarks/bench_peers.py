@@ -211,6 +211,7 @@ def setup_mcore(flags: list[str], init_dir: str) -> Step:
 
     from megalite.config import parse_configs
     m = parse_configs(flags).model
+    parallel_state.destroy_model_parallel()  # an earlier run in this pool's processes
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(
