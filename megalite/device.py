@@ -4,11 +4,14 @@ CUDA + NCCL when a GPU is visible, else CPU + gloo. Everything else asks here.
 """
 import contextlib
 import datetime
+import functools
 import os
 import random
 import resource
 import socket
 import sys
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -96,29 +99,43 @@ def use_deterministic_kernels() -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def matmul_slowdown(dtype: torch.dtype, n: int = 256) -> float:
-    """Time of an n x n x n CPU matmul in `dtype` over the same in fp32 (best of 2 and of 10).
+def matmul_slowdown(dtype: torch.dtype, n: int = 256, warmup: int = 1,
+                    clock: Callable[[], float] = time.perf_counter,
+                    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.matmul
+                    ) -> float:
+    """Time of an n x n x n CPU matmul in `dtype` over the same in fp32 (best of 2 and of 10),
+    each timed after `warmup` untimed calls: the first calls of a dtype include oneDNN's kernel
+    JIT (bf16 on an AMX Xeon: 1.5-1.8x fp32 cold, 0.5x warm).
 
     About 0.1-0.3 s; > 1 means the CPU has no fast path for `dtype` (AVX2 without
-    AVX512-BF16 / AMX runs bf16 matmuls up to ~100x slower than fp32).
+    AVX512-BF16 / AMX runs bf16 matmuls up to ~100x slower than fp32). `clock` and `matmul`
+    are for tests (a simulated CPU).
     """
-    import time
-
     def best(dt: torch.dtype, reps: int) -> float:
         a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dt)  # no global RNG
+        for _ in range(warmup):
+            matmul(a, a)
         times = []
         for _ in range(reps):
-            start = time.perf_counter()
-            a @ a
-            times.append(time.perf_counter() - start)
+            start = clock()
+            matmul(a, a)
+            times.append(clock() - start)
         return min(times)
     return best(dtype, 2) / best(torch.float32, 10)
 
 
-def reduced_precision_warning(dtype: torch.dtype, threshold: float = 2.0) -> str | None:
+@functools.cache
+def measured_slowdown(dtype: torch.dtype) -> float:
+    """matmul_slowdown(dtype), measured once per process (~0.1-1 s on a CPU without bf16)."""
+    return matmul_slowdown(dtype)
+
+
+def reduced_precision_warning(dtype: torch.dtype, threshold: float = 2.0,
+                              slowdown: Callable[[torch.dtype], float] = measured_slowdown
+                              ) -> str | None:
     """One warning line when `dtype` matmuls are over `threshold` times slower than fp32 on
-    this CPU (see matmul_slowdown), else None."""
-    ratio = matmul_slowdown(dtype)
+    this CPU (`slowdown(dtype)`, by default matmul_slowdown once per process), else None."""
+    ratio = slowdown(dtype)
     if ratio <= threshold:
         return None
     name = str(dtype).removeprefix("torch.")

@@ -3,9 +3,10 @@
 TP (no sequence parallelism), per forward + backward of one microbatch, fp32: each layer
 all-reduces b s h twice in forward (attention output projection, MLP output) and twice in
 backward (grads entering the QKV and first MLP projections), full recompute adds the two
-forward ones again; outside the layers the vocab-parallel embedding all-reduces b s h in
-forward, the tied LM head all-reduces the grad of its input b s h in backward, and cross
-entropy all-reduces three fp32 [s, b] tensors (max, target logit, sum of exp).
+forward ones again; GQA (separate query and key-value projections) the same: one all-reduce
+of their common input's grad; outside the layers the vocab-parallel embedding all-reduces
+b s h in forward, the tied LM head all-reduces the grad of its input b s h in backward, and
+cross entropy all-reduces three fp32 [s, b] tensors (max, target logit, sum of exp).
 PP: every microbatch crosses each stage boundary once forward (activation) and once
 backward (its grad), b s h each.
 """
@@ -25,10 +26,11 @@ from tests.helpers.multirank import run_on_ranks
 LAYERS, HIDDEN, SEQ, MICRO, FP32 = 4, 32, 8, 2, 4
 
 
-def _config(recompute: str | None = None) -> ModelConfig:
+def _config(recompute: str | None = None, groups: int | None = None) -> ModelConfig:
     return ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4,
                        vocab_size=97, max_position_embeddings=SEQ, hidden_dropout=0.0,
-                       attention_dropout=0.0, recompute_granularity=recompute)
+                       attention_dropout=0.0, recompute_granularity=recompute,
+                       group_query_attention=groups is not None, num_query_groups=groups)
 
 
 def _tokens(m: int = 1) -> torch.Tensor:
@@ -41,8 +43,9 @@ def _tp_counts() -> dict:
     initialize_model_parallel(dist.get_world_size(), 1)
     model_parallel_seed(1234, ps.get_tensor_model_parallel_rank())
     tokens, counts = _tokens(), {}
-    for recompute in (None, "selective", "full"):
-        model = GPTModel(_config(recompute), device=current_device())
+    for recompute, groups in ((None, None), ("selective", None), ("full", None), ("gqa", 2)):
+        config = _config(None if recompute == "gqa" else recompute, groups)
+        model = GPTModel(config, device=current_device())
         with comm.count_bytes() as counted:
             model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
         counts[recompute] = dict(counted)
@@ -54,7 +57,7 @@ def test_tp_bytes_per_forward_backward_equal_closed_form(tp):
     sbh = SEQ * MICRO * HIDDEN
     outside_layers = 2 * sbh * FP32 + 3 * SEQ * MICRO * FP32
     for counts in run_on_ranks(tp, _tp_counts):
-        for recompute, per_layer in ((None, 4), ("selective", 4), ("full", 6)):
+        for recompute, per_layer in ((None, 4), ("selective", 4), ("full", 6), ("gqa", 4)):
             want = LAYERS * per_layer * sbh * FP32 + outside_layers
             assert counts[recompute] == {"all_reduce": want}, recompute
 

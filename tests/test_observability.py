@@ -3,6 +3,7 @@ packages are absent; the real ones are used when installed), a clear line when a
 package is missing, and the CPU reduced-precision warning."""
 import importlib.machinery
 import importlib.util
+import functools
 import math
 import sys
 import types
@@ -10,7 +11,7 @@ import types
 import pytest
 import torch
 
-from megalite.device import reduced_precision_warning
+from megalite.device import matmul_slowdown, reduced_precision_warning
 from megalite.training.log_writers import check_available
 from tests.helpers.gpt_run import make_dataset, tiny_args, train
 from tests.helpers.multirank import run_on_ranks
@@ -102,3 +103,32 @@ def test_cpu_reduced_precision_warning_names_the_measured_ratio():
     capability = torch.backends.cpu.get_cpu_capability()
     assert line.startswith("warning: bfloat16 matmuls run ") and f"capability {capability}" in line
     assert reduced_precision_warning(torch.bfloat16, threshold=1e9) is None
+
+
+class SimulatedCpu:
+    """A clock and a matmul whose cost depends on the dtype: each dtype's first `jit_calls`
+    calls cost `jit` seconds more (oneDNN compiling its kernel) than later ones, `warm[dtype]`."""
+
+    def __init__(self, warm: dict, jit: float = 1.8, jit_calls: int = 2) -> None:
+        self.now, self.warm, self.jit, self.jit_calls = 0.0, warm, jit, jit_calls
+        self.calls: dict = {}
+
+    def clock(self) -> float:
+        return self.now
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.calls[a.dtype] = self.calls.get(a.dtype, 0) + 1
+        cold = self.calls[a.dtype] <= self.jit_calls and a.dtype != torch.float32
+        self.now += self.warm[a.dtype] + (self.jit if cold else 0.0)
+
+
+@pytest.mark.parametrize("bf16_seconds,warns", [(0.5, False), (40.0, True)])
+def test_cpu_bf16_decision_excludes_the_kernel_jit(bf16_seconds, warns):
+    """AMX CPU (bf16 warm at half fp32's time, its first calls JIT-slow): no warning;
+    AVX2 CPU (bf16 40x fp32): the warning, with the warm ratio."""
+    cpu = SimulatedCpu({torch.float32: 1.0, torch.bfloat16: bf16_seconds})
+    slowdown = functools.partial(matmul_slowdown, n=4, clock=cpu.clock, matmul=cpu.matmul)
+    assert slowdown(torch.bfloat16) == bf16_seconds
+    line = reduced_precision_warning(torch.bfloat16, slowdown=slowdown)
+    assert (line is not None) == warns
+    assert not warns or "run 40x slower" in line

@@ -26,6 +26,8 @@ from megalite.mpu.document_mask import DocumentMask
 from megalite.mpu.ring_attention import ring_attention
 from megalite.mpu.layers import (ColumnParallelLinear, InitMethod, RowParallelLinear,
                                  set_tensor_model_parallel_attributes)
+from megalite.mpu.mappings import copy_to_tensor_model_parallel_region, \
+    gather_from_sequence_parallel_region
 from megalite.mpu.random import checkpoint, get_rng_tracker
 from megalite.mpu.rotary import apply_rotary
 
@@ -133,7 +135,9 @@ class ParallelAttention(nn.Module):
                                                         bias=qkv_bias, **kw)
             # rows [head: q, k, v]: Q, K and V are separate matrices (megalite.optimizer.muon)
             self.query_key_value.weight.fused_matrices = (num_attention_heads, 3)
-        else:
+        else:  # one input region for both (_project): one grad all-reduce, not one each
+            self.group, self.sequence_parallel = group, sequence_parallel and tp > 1
+            kw["disable_grad_reduce"] = True
             self.query = ColumnParallelLinear(hidden_size, num_attention_heads * d, bias=qkv_bias,
                                               **kw)
             self.key_value = ColumnParallelLinear(hidden_size, 2 * groups * d, bias=qkv_bias,
@@ -155,6 +159,8 @@ class ParallelAttention(nn.Module):
         if self.fused_qkv:
             qkv, _ = self.query_key_value(x)
             return _SplitQKV.apply(qkv, self.heads_per_rank, self.head_dim)
+        x = gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel \
+            else copy_to_tensor_model_parallel_region(x, self.group)
         q, _ = self.query(x)
         kv, _ = self.key_value(x)
         s, b = q.shape[:2]
