@@ -5,6 +5,10 @@
         --global-batch-size 1536 --bf16 --recompute-granularity selective \\
         --use-distributed-optimizer --peak-tflops 312 --mfu 0.5
     python tools/plan.py --validate
+    python tools/plan.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \
+        --vocab-size 51200 --seq-length 2048 --dp 8 --micro-batch-size 1 --bf16 \
+        --data-parallel-sharding-strategy optim_grads_params --optimizer-offload-device nvme \
+        --offload-nvme-path /nvme --max-model --host-memory-gib 1024 --disk-gib 3500
 
 Model, layout, precision and recompute flags are megalite's own (megalite.config); the
 formulas are in megalite/planning/. `--validate` prints (a) the estimate against the
@@ -23,6 +27,7 @@ probabilities and mask in fp32, about 13.5 as/h sbh per layer in bf16 where Mega
 fused kernels keep Korthikanti's 5 as/h sbh; recompute avoids storing them.
 """
 import argparse
+import dataclasses
 import functools
 import sys
 import weakref
@@ -53,6 +58,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
     tool.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU")
     tool.add_argument("--ckpt-write-gbps", type=float, default=2.0,
                       help="checkpoint write bandwidth per rank (GB/s) for the save-time estimate")
+    tool.add_argument("--host-memory-gib", type=float, default=1024.0,
+                      help="host memory per node (the offload tiers' bytes)")
+    tool.add_argument("--disk-gib", type=float, default=3500.0,
+                      help="free space per node under --offload-nvme-path (the nvme tier)")
+    tool.add_argument("--disk-gbps", type=float, default=3.0,
+                      help="disk bandwidth per rank (GB/s) for the nvme tier's I/O time")
+    tool.add_argument("--gpus-per-node", type=int, default=8,
+                      help="ranks sharing a node's host memory and disk")
+    tool.add_argument("--max-model", action="store_true",
+                      help="the deepest model of this width (more --num-layers) that fits the "
+                           "GPU memory, host memory and disk of a node")
     tool.add_argument("--validate", action="store_true",
                       help="estimate vs measured on CPU ranks, and published configurations")
     parser.set_defaults(max_position_embeddings=None, data_parallel_size=1)
@@ -79,6 +95,56 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def node_bytes(p: Plan, gpus_per_node: int) -> tuple[float, float, float]:
+    """(peak GPU bytes per rank, host bytes of the offload tier per node, bytes of the nvme
+    tier's files per node) of plan `p`, the node's ranks each holding the largest share."""
+    nvme, host = p.tier_bytes()
+    ranks = min(gpus_per_node, p.layout.world_size)
+    return max(s.total for s in p.stages.values()), host * ranks, nvme * ranks
+
+
+def tier_report(p: Plan, args: argparse.Namespace) -> list[str]:
+    """Where the optimizer lives, its host and file bytes per node and the tier's I/O."""
+    gpu, host, disk = node_bytes(p, args.gpus_per_node)
+    tier = "nvme" if p.layout.nvme_offload else "cpu" if p.layout.cpu_offload else "none"
+    lines = [f"Offload tier {tier}: per node ({min(args.gpus_per_node, p.layout.world_size)} "
+             f"ranks) {_size(host)} of host memory (fits {args.host_memory_gib:g} GiB: "
+             f"{'yes' if host <= args.host_memory_gib * GIB else 'NO'}), {_size(disk)} of "
+             f"files (fits {args.disk_gib:g} GiB: {'yes' if disk <= args.disk_gib * GIB else 'NO'})"]
+    if p.layout.nvme_offload:
+        io, seconds = p.tier_io_seconds(args.disk_gbps)
+        lines.append(f"  nvme tier I/O per step per rank: {_size(io)} (its file read and "
+                     f"written once), {seconds:.3g} s at {args.disk_gbps:g} GB/s")
+    return lines
+
+
+def max_model(configs: Configs, args: argparse.Namespace) -> tuple[Plan | None, str]:
+    """The plan of the most layers (a multiple of PP x VPP) of this width that fit a node's
+    GPU memory, host memory and disk (--gpu-memory-gib, --host-memory-gib, --disk-gib), and
+    the budget that stops one more step of layers (None: not even the fewest fit)."""
+    step = configs.parallel.pipeline_model_parallel_size * \
+        (configs.parallel.virtual_pipeline_model_parallel_size or 1)
+    budgets = (args.gpu_memory_gib * GIB, args.host_memory_gib * GIB, args.disk_gib * GIB)
+    names = ("GPU memory", "host memory", "disk")
+
+    def at(units: int) -> tuple[Plan, str | None]:
+        model = dataclasses.replace(configs.model, num_layers=units * step)
+        p = plan(dataclasses.replace(configs, model=model), args.sequence_parallel)
+        over = [n for n, used, cap in zip(names, node_bytes(p, args.gpus_per_node), budgets)
+                if used > cap]
+        return p, over[0] if over else None
+
+    if at(1)[1] is not None:
+        return None, at(1)[1]
+    low, high = 1, 2
+    while at(high)[1] is None and high < 2 ** 16:
+        low, high = high, high * 2
+    while low + 1 < high:  # at(low) fits, at(high) does not
+        middle = (low + high) // 2
+        low, high = (middle, high) if at(middle)[1] is None else (low, middle)
+    return at(low)[0], at(high)[1] or "planner's limit of layers"
+
+
 def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
            ckpt_write_gbps: float = 2.0) -> str:
     """The plan as text."""
@@ -95,6 +161,7 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
         f"microbatches per DP rank; {p.layout.schedule.name}; {p.precision}, recompute "
         f"{m.recompute_granularity or 'none'}, sharding {p.layout.sharding}"
         f"{' with optimizer CPU offload' if p.layout.cpu_offload else ''}"
+        f"{' with the optimizer on NVMe' if p.layout.nvme_offload else ''}"
         f"{', sequence parallel' if p.sequence_parallel else ''}",
         "", f"Memory per GPU (GiB)                  {'first stage':>12} {'last stage':>12}"]
     first, last = p.stages["first"], p.stages["last"]
@@ -107,6 +174,7 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
             (f"optimizer states ({state.optimizer:.4g} B/param)",
              lambda s: s.state_bytes.optimizer),
             ("  of which in host memory (offload)", lambda s: -s.state_bytes.host),
+            ("  of which in files (nvme tier)", lambda s: -s.state_bytes.nvme),
             ("gathered params (FSDP, largest unit)", lambda s: s.gather),
             ("activations of the layers", lambda s: s.layer_activations),
             ("embedding / LM head + logits", lambda s: s.extra_activations),
@@ -362,7 +430,16 @@ def main(argv: list[str] | None = None) -> None:
         result = plan(configs, args.sequence_parallel)
     except ValueError as error:
         sys.exit(f"error: {error}")
+    if args.max_model:
+        result, limit = max_model(configs, args)
+        if result is None:
+            sys.exit(f"error: not even {configs.parallel.pipeline_model_parallel_size} layer(s) "
+                     f"of this width fit the node ({limit})")
+        print(f"Largest model of this width that fits: {result.configs.model.num_layers} layers, "
+              f"{result.total_params / 1e9:.2f} B parameters (one more step of layers exceeds "
+              f"the {limit})\n")
     print(report(result, args.peak_tflops, args.mfu, args.gpu_memory_gib, args.ckpt_write_gbps))
+    print("\n".join(tier_report(result, args)))
 
 
 if __name__ == "__main__":
