@@ -164,3 +164,39 @@ def test_bad_nvme_paths_are_one_line_before_training(data, tmp_path, capsys, mon
     assert _start_error(capsys, argv(str(disk))) == \
         f"error: --offload-nvme-path {disk}: {disk} is not writable (Permission denied)"
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("dtype,strategy", [("bf16", "optim"), ("fp32", "optim"),
+                                            ("fp32", "optim_grads_params")])
+def test_tier_file_holds_the_planners_bytes_in_sub_groups(tmp_path, dtype, strategy):
+    """The file of a tier over a 2-D and a 1-D parameter holds the planner's nvme bytes per
+    parameter (bf16: master + m, v = 12; fp32 and FSDP2, whose params are the masters: 8), its
+    sub-groups cover every element once, none over the sub-group size; the directory goes with
+    the tier."""
+    import gc
+
+    import torch
+
+    from megalite.optimizer.nvme_tier import NvmeTier
+    from megalite.optimizer.optimizer import Fragment
+    from megalite.planning.state_bytes import state_bytes_per_param
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    params = [torch.nn.Parameter(torch.randn(37, 29, dtype=torch_dtype)),
+              torch.nn.Parameter(torch.randn(50, dtype=torch_dtype))]
+    fragments = [Fragment.of(p, p.detach().view(-1), torch.zeros(p.numel()), in_place=True)
+                 if strategy == "optim" else Fragment(p, p.detach(), torch.zeros(p.numel()), None)
+                 for p in params]
+    tier = NvmeTier(fragments, ("exp_avg", "exp_avg_sq"), str(tmp_path), 400)
+    numel = sum(p.numel() for p in params)
+    assert tier.file_bytes == state_bytes_per_param(dtype, strategy, 1, nvme=True).nvme * numel
+    covered = [set() for _ in params]
+    for group in tier.groups:
+        assert sum(p.hi - p.lo for p in group.pieces) <= 400
+        for p in group.pieces:
+            assert not covered[p.index] & set(range(p.lo, p.hi))
+            covered[p.index] |= set(range(p.lo, p.hi))
+    assert [len(c) for c in covered] == [p.numel() for p in params]
+    assert len(os.listdir(tmp_path)) == 1
+    del tier, fragments
+    gc.collect()
+    assert os.listdir(tmp_path) == []

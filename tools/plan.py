@@ -27,7 +27,6 @@ probabilities and mask in fp32, about 13.5 as/h sbh per layer in bf16 where Mega
 fused kernels keep Korthikanti's 5 as/h sbh; recompute avoids storing them.
 """
 import argparse
-import dataclasses
 import functools
 import sys
 import weakref
@@ -42,6 +41,7 @@ from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
 from megalite.distributed.rank_pool import run_once
 from megalite.planning.activations import ACTIVATION_BYTES, ring_wire
 from megalite.planning.measured import fsdp_buffers, model_state_bytes
+from megalite.planning.node_fit import max_layers, node_bytes
 from megalite.planning.planner import Plan, plan
 from megalite.config.sharding import STRATEGY_NAMES
 
@@ -95,14 +95,6 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def node_bytes(p: Plan, gpus_per_node: int) -> tuple[float, float, float]:
-    """(peak GPU bytes per rank, host bytes of the offload tier per node, bytes of the nvme
-    tier's files per node) of plan `p`, the node's ranks each holding the largest share."""
-    nvme, host = p.tier_bytes()
-    ranks = min(gpus_per_node, p.layout.world_size)
-    return max(s.total for s in p.stages.values()), host * ranks, nvme * ranks
-
-
 def tier_report(p: Plan, args: argparse.Namespace) -> list[str]:
     """Where the optimizer lives, its host and file bytes per node and the tier's I/O."""
     gpu, host, disk = node_bytes(p, args.gpus_per_node)
@@ -116,33 +108,6 @@ def tier_report(p: Plan, args: argparse.Namespace) -> list[str]:
         lines.append(f"  nvme tier I/O per step per rank: {_size(io)} (its file read and "
                      f"written once), {seconds:.3g} s at {args.disk_gbps:g} GB/s")
     return lines
-
-
-def max_model(configs: Configs, args: argparse.Namespace) -> tuple[Plan | None, str]:
-    """The plan of the most layers (a multiple of PP x VPP) of this width that fit a node's
-    GPU memory, host memory and disk (--gpu-memory-gib, --host-memory-gib, --disk-gib), and
-    the budget that stops one more step of layers (None: not even the fewest fit)."""
-    step = configs.parallel.pipeline_model_parallel_size * \
-        (configs.parallel.virtual_pipeline_model_parallel_size or 1)
-    budgets = (args.gpu_memory_gib * GIB, args.host_memory_gib * GIB, args.disk_gib * GIB)
-    names = ("GPU memory", "host memory", "disk")
-
-    def at(units: int) -> tuple[Plan, str | None]:
-        model = dataclasses.replace(configs.model, num_layers=units * step)
-        p = plan(dataclasses.replace(configs, model=model), args.sequence_parallel)
-        over = [n for n, used, cap in zip(names, node_bytes(p, args.gpus_per_node), budgets)
-                if used > cap]
-        return p, over[0] if over else None
-
-    if at(1)[1] is not None:
-        return None, at(1)[1]
-    low, high = 1, 2
-    while at(high)[1] is None and high < 2 ** 16:
-        low, high = high, high * 2
-    while low + 1 < high:  # at(low) fits, at(high) does not
-        middle = (low + high) // 2
-        low, high = (middle, high) if at(middle)[1] is None else (low, middle)
-    return at(low)[0], at(high)[1] or "planner's limit of layers"
 
 
 def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
@@ -431,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         sys.exit(f"error: {error}")
     if args.max_model:
-        result, limit = max_model(configs, args)
+        budgets = (args.gpu_memory_gib * GIB, args.host_memory_gib * GIB, args.disk_gib * GIB)
+        result, limit = max_layers(configs, args.gpus_per_node, budgets, args.sequence_parallel)
         if result is None:
             sys.exit(f"error: not even {configs.parallel.pipeline_model_parallel_size} layer(s) "
                      f"of this width fit the node ({limit})")

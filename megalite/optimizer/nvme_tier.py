@@ -150,7 +150,7 @@ class NvmeTier:
         self.bytes_read = self.bytes_written = 0
         os.makedirs(path, exist_ok=True)
         self.directory = tempfile.mkdtemp(prefix=f"megalite-rank{rank}-", dir=path)
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
+        weakref.finalize(self, shutil.rmtree, self.directory, True)
         self.fd = os.open(os.path.join(self.directory, "optimizer.bin"),
                           os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         weakref.finalize(self, os.close, self.fd)
@@ -162,22 +162,13 @@ class NvmeTier:
         self.reader, self.writer = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
         self.write_masters(fresh=True)
 
-    @property
-    def host_bytes(self) -> int:
-        return sum(b.numel() for b in self.buffers) * FP32_BYTES
-
-    def _file_view(self, buffer: torch.Tensor, group: Group) -> torch.Tensor:
-        return buffer[:group.file_numel]
-
     def _submit_read(self, group: Group, buffer: torch.Tensor) -> Future:
         self.bytes_read += group.file_numel * FP32_BYTES
-        return self.reader.submit(_read, self.fd, self._file_view(buffer, group),
-                                  group.file_offset)
+        return self.reader.submit(_read, self.fd, buffer[:group.file_numel], group.file_offset)
 
     def _submit_write(self, group: Group, buffer: torch.Tensor) -> Future:
         self.bytes_written += group.file_numel * FP32_BYTES
-        return self.writer.submit(_write, self.fd, self._file_view(buffer, group),
-                                  group.file_offset)
+        return self.writer.submit(_write, self.fd, buffer[:group.file_numel], group.file_offset)
 
     @torch.no_grad()
     def write_masters(self, fresh: bool = False) -> None:
@@ -199,6 +190,8 @@ class NvmeTier:
         """One optimizer step of every fragment: its grad (`fragment.grad`, times `clip_coef`
         when given) applied to its master and state, sub-group by sub-group, the stepped
         masters copied into the model's values."""
+        if clip_coef is not None:  # one device-to-host read, not one per piece
+            clip_coef = clip_coef.cpu()
         before = [{k: v.clone() for k, v in optimizer.state[f.main].items()}
                   for f in self.fragments]
         after: list[dict] = [{} for _ in self.fragments]
@@ -234,7 +227,7 @@ class NvmeTier:
             grad = buffer[p.grad:p.grad + n]
             grad.copy_(fragment.grad.reshape(-1)[p.lo:p.hi])
             if clip_coef is not None:
-                grad.mul_(clip_coef.to(grad.device))
+                grad.mul_(clip_coef)
             fragment.main.data, fragment.main.grad = master, grad
             state = {k: v.clone() for k, v in before[p.index].items()}
             if self.initialized[p.index]:
@@ -302,9 +295,3 @@ class NvmeTier:
             optimizer.state[f.main] = {k: v for k, v in optimizer.state[f.main].items()
                                        if k not in self.state_keys}
             f.main.data = torch.empty(0, dtype=torch.float32)
-
-    def close(self) -> None:
-        """Remove the scratch directory now (also done when the tier is collected or at exit)."""
-        self.reader.shutdown()
-        self.writer.shutdown()
-        self._cleanup()
