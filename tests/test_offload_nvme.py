@@ -200,3 +200,27 @@ def test_tier_file_holds_the_planners_bytes_in_sub_groups(tmp_path, dtype, strat
     del tier, fragments
     gc.collect()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("fields,line", [
+    ({"optimizer_offload_device": "nvme"},
+     "--optimizer-offload-device nvme and --offload-nvme-path DIR go together"),
+    ({"optimizer_cpu_offload": True, "optimizer_offload_device": "nvme",
+      "offload_nvme_path": "/tmp"},
+     "--optimizer-cpu-offload is --optimizer-offload-device cpu: it cannot go with"),
+])
+def test_tier_flag_combinations_are_one_line(fields, line):
+    from megalite.config import OptimizerConfig
+    with pytest.raises(ValueError) as error:
+        OptimizerConfig(**fields)
+    assert line in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_tier_needs_a_sharded_strategy():
+    from megalite.config import parse_configs
+    from megalite.layout import RunLayout
+    configs = parse_configs(["--num-layers", "4", *_nvme("/tmp")])
+    with pytest.raises(ValueError) as error:
+        RunLayout.from_configs(configs, 2)
+    assert str(error.value).startswith(
+        "--optimizer-offload-device nvme needs a sharded --data-parallel-sharding-strategy")
