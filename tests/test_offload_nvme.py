@@ -10,11 +10,6 @@ tier), resumed without the tier at TP2 with the distributed optimizer (state res
 stopped at step 4, resumed with the tier at DP2 ZeRO-3 to step 6: the uninterrupted run's
 curve (1e-5: the layouts sum in other orders).
 
-Host memory: on each of 2 ranks the peak RSS of 2 training steps (VmHWM, reset first) of a
-6.3M-parameter model at ZeRO-1 is lower with the nvme tier than with the cpu tier by at least
-half the closed-form difference: the cpu tier's 12 bytes per parameter of the rank's shard
-(fp32 master and Adam's m, v) less the tier's three buffers.
-
 Bad paths are one line before training: missing, not writable (simulated: root ignores
 permissions) and too small for the planner's bytes (free space simulated).
 """
@@ -23,7 +18,6 @@ import tempfile
 
 import pytest
 
-from megalite.planning.state_bytes import tier_host_bytes
 from megalite.tasks import gpt as pretrain_gpt
 from tests.helpers.gpt_run import make_dataset, tiny_args, train_with_grad_norms
 from tests.helpers.multirank import run_on_ranks
@@ -65,35 +59,7 @@ def _check_parity(results: dict) -> None:
         assert left == [], f"{name}: the tier's scratch directory was not removed"
 
 
-def _rank_memory(prefix: str, root: str) -> list[tuple[int, int]]:
-    """(peak RSS growth in bytes over 2 steps, this rank's optimizer parameters) with the cpu
-    tier, then the nvme tier: VmHWM reset to the current RSS first (/proc/self/clear_refs)."""
-    import gc
-    import torch.distributed as dist
-
-    def kib(field: str) -> int:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith(field))
-
-    os.makedirs(root, exist_ok=True)
-    big = ["--hidden-size", "512", "--num-attention-heads", "8", "--num-layers", "2"]
-    out = []
-    for tier in (["--optimizer-cpu-offload"], _nvme(root)):
-        argv = tiny_args(prefix, "unused", 2, *ZERO1, *big, *tier)
-        argv = argv[:argv.index("--save")] + argv[argv.index("--save") + 2:]  # no checkpoint
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")
-        start = kib("VmRSS:")
-        result = pretrain_gpt.run(argv)
-        shard = sum(p.numel() for c in result.model for p in c.parameters()) \
-            // dist.get_world_size()
-        out.append(((kib("VmHWM:") - start) * 1024, shard))
-        del result
-    return out
-
-
-def test_nvme_tier_curves_resume_and_memory_at_dp2(data, tmp_path):
+def test_nvme_tier_curves_and_resume_at_dp2(data, tmp_path):
     """One 2-rank task: parity at ZeRO-1, ZeRO-3 and bf16 ZeRO-1; then the resume chain."""
     layouts = {"zero1": ZERO1, "zero3": ZERO3, "bf16 zero1": ZERO1 + ["--bf16"]}
     results = run_on_ranks(2, _curves, data, str(tmp_path), layouts)
@@ -102,10 +68,6 @@ def test_nvme_tier_curves_resume_and_memory_at_dp2(data, tmp_path):
     want, got = chain
     assert sorted(got) == list(range(1, 7))
     assert max(abs(got[i] - want[i]) / abs(want[i]) for i in want) < 1e-5, (got, want)
-    memory = run_on_ranks(2, _rank_memory, data, str(tmp_path / "memory"))
-    for (cpu, shard), (nvme, _) in memory:
-        margin = 12 * shard - tier_host_bytes(SUB_GROUP)  # closed form, bytes
-        assert cpu - nvme >= margin / 2, (cpu, nvme, margin)
 
 
 def _resume_chain(prefix: str, root: str) -> tuple[dict, dict]:
