@@ -133,7 +133,7 @@ def main() -> None:
         results = {}
         for tier, flags in tiers.items():
             argv = model + flags + (["--bf16"] if precision == "bf16" else [])
-            results[tier] = run_once(args.ranks, measure, argv, args.steps,
+            results[tier] = run_once(args.ranks, measure, argv, args.steps, timeout=3600,
                                      env={"OMP_NUM_THREADS": "1"})[0]
         cpu = results["cpu"]
         for tier, r in results.items():
