@@ -34,7 +34,8 @@ class RunLayout:
     seq_length: int
     sequence_parallel: bool
     sharding: str              # --data-parallel-sharding-strategy (a megalite.config.sharding record)
-    cpu_offload: bool = False  # --optimizer-cpu-offload
+    cpu_offload: bool = False  # --optimizer-cpu-offload / --optimizer-offload-device cpu
+    nvme_offload: bool = False  # --optimizer-offload-device nvme
 
     @property
     def strategy(self) -> ShardingStrategy:
@@ -66,7 +67,8 @@ class RunLayout:
         ep = f" (EP {g.ep})" if g.ep > 1 else ""
         split = self.seq_length_per_rank
         tokens = f" | seq {self.seq_length}, {split} per rank" if split < self.seq_length else ""
-        offload = ", CPU offload" if self.cpu_offload else ""
+        offload = ", CPU offload" if self.cpu_offload else \
+            ", NVMe offload" if self.nvme_offload else ""
         return (f"world {g.world_size} = TP {g.tp} x {cp}PP {g.pp}{vpp} x DP {g.dp}{ep} | "
                 f"sharding {self.sharding}{offload}{tokens}")
 
@@ -101,7 +103,8 @@ class RunLayout:
         if optimizer_kind(o.optimizer).check_run is not None:
             optimizer_kind(o.optimizer).check_run(configs, grid.dp * grid.cp)
         return cls(grid, schedule, t.micro_batch_size, global_batch, microbatches, t.seq_length,
-                   p.sequence_parallel, o.sharding, o.optimizer_cpu_offload)
+                   p.sequence_parallel, o.sharding, o.offload_device == "cpu",
+                   o.offload_device == "nvme")
 
 
 def check_sharding(o: OptimizerConfig, schedule: ScheduleKind) -> None:
@@ -112,8 +115,10 @@ def check_sharding(o: OptimizerConfig, schedule: ScheduleKind) -> None:
     if o.use_distributed_optimizer and not strategy.shards_optimizer:
         raise ValueError(f"--use-distributed-optimizer shards the optimizer state: it cannot go "
                          f"with {flag} {strategy.name}")
-    if o.optimizer_cpu_offload and not strategy.offload:
-        raise ValueError(f"--optimizer-cpu-offload needs a sharded {flag} ("
+    if o.offload_device and not strategy.offload:
+        spelling = "--optimizer-cpu-offload" if o.optimizer_cpu_offload else \
+            f"--optimizer-offload-device {o.offload_device}"
+        raise ValueError(f"{spelling} needs a sharded {flag} ("
                          f"{_names(s for s in STRATEGIES if s.offload)})")
     if schedule.across_steps and strategy.name != NO_SHARD.name:
         raise ValueError(f"--pipeline-schedule {schedule.name} keeps two versions of whole "

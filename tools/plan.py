@@ -5,6 +5,10 @@
         --global-batch-size 1536 --bf16 --recompute-granularity selective \\
         --use-distributed-optimizer --peak-tflops 312 --mfu 0.5
     python tools/plan.py --validate
+    python tools/plan.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \
+        --vocab-size 51200 --seq-length 2048 --dp 8 --micro-batch-size 1 --bf16 \
+        --data-parallel-sharding-strategy optim_grads_params --optimizer-offload-device nvme \
+        --offload-nvme-path /nvme --max-model --host-memory-gib 1024 --disk-gib 3500
 
 Model, layout, precision and recompute flags are megalite's own (megalite.config); the
 formulas are in megalite/planning/. `--validate` prints (a) the estimate against the
@@ -37,6 +41,7 @@ from megalite.config import (CheckpointConfig, Configs, DataConfig, ModelConfig,
 from megalite.distributed.rank_pool import run_once
 from megalite.planning.activations import ACTIVATION_BYTES, ring_wire
 from megalite.planning.measured import fsdp_buffers, model_state_bytes
+from megalite.planning.node_fit import max_layers, node_bytes
 from megalite.planning.planner import Plan, plan
 from megalite.config.sharding import STRATEGY_NAMES
 
@@ -53,6 +58,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
     tool.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU")
     tool.add_argument("--ckpt-write-gbps", type=float, default=2.0,
                       help="checkpoint write bandwidth per rank (GB/s) for the save-time estimate")
+    tool.add_argument("--host-memory-gib", type=float, default=1024.0,
+                      help="host memory per node (the offload tiers' bytes)")
+    tool.add_argument("--disk-gib", type=float, default=3500.0,
+                      help="free space per node under --offload-nvme-path (the nvme tier)")
+    tool.add_argument("--disk-gbps", type=float, default=3.0,
+                      help="disk bandwidth per rank (GB/s) for the nvme tier's I/O time")
+    tool.add_argument("--gpus-per-node", type=int, default=8,
+                      help="ranks sharing a node's host memory and disk")
+    tool.add_argument("--max-model", action="store_true",
+                      help="the deepest model of this width (more --num-layers) that fits the "
+                           "GPU memory, host memory and disk of a node")
     tool.add_argument("--validate", action="store_true",
                       help="estimate vs measured on CPU ranks, and published configurations")
     parser.set_defaults(max_position_embeddings=None, data_parallel_size=1)
@@ -79,6 +95,21 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def tier_report(p: Plan, args: argparse.Namespace) -> list[str]:
+    """Where the optimizer lives, its host and file bytes per node and the tier's I/O."""
+    gpu, host, disk = node_bytes(p, args.gpus_per_node)
+    tier = "nvme" if p.layout.nvme_offload else "cpu" if p.layout.cpu_offload else "none"
+    lines = [f"Offload tier {tier}: per node ({min(args.gpus_per_node, p.layout.world_size)} "
+             f"ranks) {_size(host)} of host memory (fits {args.host_memory_gib:g} GiB: "
+             f"{'yes' if host <= args.host_memory_gib * GIB else 'NO'}), {_size(disk)} of "
+             f"files (fits {args.disk_gib:g} GiB: {'yes' if disk <= args.disk_gib * GIB else 'NO'})"]
+    if p.layout.nvme_offload:
+        io, seconds = p.tier_io_seconds(args.disk_gbps)
+        lines.append(f"  nvme tier I/O per step per rank: {_size(io)} (its file read and "
+                     f"written once), {seconds:.3g} s at {args.disk_gbps:g} GB/s")
+    return lines
+
+
 def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
            ckpt_write_gbps: float = 2.0) -> str:
     """The plan as text."""
@@ -95,6 +126,7 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
         f"microbatches per DP rank; {p.layout.schedule.name}; {p.precision}, recompute "
         f"{m.recompute_granularity or 'none'}, sharding {p.layout.sharding}"
         f"{' with optimizer CPU offload' if p.layout.cpu_offload else ''}"
+        f"{' with the optimizer on NVMe' if p.layout.nvme_offload else ''}"
         f"{', sequence parallel' if p.sequence_parallel else ''}",
         "", f"Memory per GPU (GiB)                  {'first stage':>12} {'last stage':>12}"]
     first, last = p.stages["first"], p.stages["last"]
@@ -107,6 +139,7 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
             (f"optimizer states ({state.optimizer:.4g} B/param)",
              lambda s: s.state_bytes.optimizer),
             ("  of which in host memory (offload)", lambda s: -s.state_bytes.host),
+            ("  of which in files (nvme tier)", lambda s: -s.state_bytes.nvme),
             ("gathered params (FSDP, largest unit)", lambda s: s.gather),
             ("activations of the layers", lambda s: s.layer_activations),
             ("embedding / LM head + logits", lambda s: s.extra_activations),
@@ -362,7 +395,17 @@ def main(argv: list[str] | None = None) -> None:
         result = plan(configs, args.sequence_parallel)
     except ValueError as error:
         sys.exit(f"error: {error}")
+    if args.max_model:
+        budgets = (args.gpu_memory_gib * GIB, args.host_memory_gib * GIB, args.disk_gib * GIB)
+        result, limit = max_layers(configs, args.gpus_per_node, budgets, args.sequence_parallel)
+        if result is None:
+            sys.exit(f"error: not even {configs.parallel.pipeline_model_parallel_size} layer(s) "
+                     f"of this width fit the node ({limit})")
+        print(f"Largest model of this width that fits: {result.configs.model.num_layers} layers, "
+              f"{result.total_params / 1e9:.2f} B parameters (one more step of layers exceeds "
+              f"the {limit})\n")
     print(report(result, args.peak_tflops, args.mfu, args.gpu_memory_gib, args.ckpt_write_gbps))
+    print("\n".join(tier_report(result, args)))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def load(root: str, model: list[torch.nn.Module], optimizer, scheduler,
         load_weights(reader, model)
         optimizer.reload_model_params()
         if restores_optimizer(meta, settings):
-            load_optimizer(reader, model, optimizer)
+            with optimizer.resident():  # the nvme tier's state written to its file
+                load_optimizer(reader, model, optimizer)
     except ValueError as error:
         raise CheckpointFileError(str(error)) from None
     if restores_optimizer(meta, settings):

@@ -107,7 +107,8 @@ def save(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
         os.makedirs(tmp)
     dist.barrier()
     writer = ShardWriter(rank)
-    collect_shards(model, optimizer, writer)
+    with optimizer.resident():  # the nvme tier's state read from its file
+        collect_shards(model, optimizer, writer)
     if async_save:
         writer.tensors = STAGING.stage(writer.tensors, optimizer)
     rng, reducers = rng_state(), reducer_states(model)

@@ -113,9 +113,25 @@ class OptimizerConfig(Section):
     optimizer_cpu_offload: bool = arg(
         False, "fp32 master params and optimizer state in host memory, stepped there (needs a "
         "sharded strategy; with optim_grads_params the sharded params too)")
+    optimizer_offload_device: str | None = arg(
+        None, "where the optimizer's fp32 masters and state live (DeepSpeed's "
+        "offload_optimizer.device): cpu (host memory, as --optimizer-cpu-offload) or nvme "
+        "(files under --offload-nvme-path, streamed through a few host buffers; needs a "
+        "sharded strategy)", choices=("cpu", "nvme"))
+    offload_nvme_path: str | None = arg(
+        None, "directory (on a fast local disk) for the nvme tier's scratch files, one "
+        "subdirectory per rank, removed at exit (DeepSpeed's nvme_path)")
+    offload_sub_group_size: int = arg(
+        1_000_000, "parameters per sub-group the nvme tier steps at a time (DeepSpeed's "
+        "sub_group_size): host memory holds 3 sub-groups' masters, state and grads", min=1)
     ddp_bucket_size: int = arg(40_000_000, "elements per DP gradient all-reduce bucket", min=1)
     overlap_grad_reduce: bool = arg(True, "start bucket reductions during backward",
                                     negatable=True)
+
+    @property
+    def offload_device(self) -> str | None:
+        """Where the optimizer state lives off the device: "cpu", "nvme" or None."""
+        return "cpu" if self.optimizer_cpu_offload else self.optimizer_offload_device
 
     @property
     def sharding(self) -> str:
@@ -128,6 +144,12 @@ class OptimizerConfig(Section):
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr ({self.min_lr}) must be <= --lr ({self.lr}): the "
                              f"learning rate would climb as it decays")
+        if self.optimizer_cpu_offload and self.optimizer_offload_device == "nvme":
+            raise ValueError("--optimizer-cpu-offload is --optimizer-offload-device cpu: it "
+                             "cannot go with --optimizer-offload-device nvme")
+        if (self.optimizer_offload_device == "nvme") != bool(self.offload_nvme_path):
+            raise ValueError("--optimizer-offload-device nvme and --offload-nvme-path DIR go "
+                             "together (got only one of them)")
 
 
 @dataclass

@@ -32,7 +32,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         if a < b:
                             fragments.append(Fragment.of(param, buffer.param_data[a:b],
                                                          buffer.grad_data[a:b], a - start,
-                                                         self.host))
+                                                         self.host, self.in_place))
         return fragments
 
     def param_shards(self) -> list[tuple[nn.Parameter, object]]:

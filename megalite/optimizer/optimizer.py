@@ -7,10 +7,12 @@ inf/NaN, and an overflow anywhere skips the step everywhere. In every precision 
 non-finite loss or global grad norm skips the step (never applied to the weights). The
 grad statistics stay on the device until the host reads them, once per step.
 """
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megalite.config import OptimizerConfig, PrecisionConfig
@@ -19,6 +21,7 @@ from megalite.mpu import parallel_state
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.grad_stats import counts_toward_norm, found_inf_anywhere, global_grad_norm
 from megalite.optimizer.kinds import OptimizerKind, optimizer_kind
+from megalite.optimizer.nvme_tier import NvmeTier
 from megalite.config.sharding import sharding_strategy
 
 
@@ -40,10 +43,14 @@ class Fragment:
 
     @classmethod
     def of(cls, model_param: nn.Parameter, values: torch.Tensor, grad: torch.Tensor,
-           offset: int = 0, host: bool = False) -> "Fragment":
+           offset: int = 0, host: bool = False, in_place: bool = False) -> "Fragment":
         """`values` is (a view of) the model param's data, from flat element `offset` on;
         `host`: the fp32 main copy lives in host memory (--optimizer-cpu-offload), even for
-        fp32 params."""
+        fp32 params; `in_place`: no copy yet, `main` aliases `values` (the nvme tier moves
+        the masters to its file, megalite.optimizer.nvme_tier)."""
+        if in_place:
+            return cls(model_param, values, grad,
+                       None if values.dtype == torch.float32 else values, offset)
         if host:
             return cls(model_param, values.detach().to("cpu", torch.float32, copy=True), grad,
                        values, offset)
@@ -102,8 +109,8 @@ def optimizer_settings(config: OptimizerConfig) -> dict:
                 "use_distributed_optimizer": strategy.shards_optimizer and not strategy.fsdp}
     if strategy.fsdp:
         settings["sharding"] = strategy.name
-    if config.optimizer_cpu_offload:
-        settings["cpu_offload"] = True
+    if config.offload_device:
+        settings["cpu_offload"] = True  # host or file: the state is stepped on the host
     return settings
 
 
@@ -115,9 +122,14 @@ class MixedPrecisionOptimizer:
                  precision: PrecisionConfig) -> None:
         self.model_chunks, self.clip_grad, self.config = model_chunks, config.clip_grad, config
         self.scaler = build_grad_scaler(precision)
-        self.host = config.optimizer_cpu_offload
+        self.host = config.offload_device == "cpu"
+        self.in_place = config.offload_device == "nvme"  # fragments alias the model
         self.kind = optimizer_kind(config.optimizer)
         self.fragments = self._build_fragments()
+        self.tier = NvmeTier(self.fragments, self.kind.state_keys(config),
+                             config.offload_nvme_path, config.offload_sub_group_size,
+                             dist.get_rank() if dist.is_initialized() else 0) \
+            if self.in_place else None
         self.optimizer = build_torch_optimizer(self.kind, config, self.fragments)
         self.kind.attach(self.optimizer, self)
         self._grad_norm: torch.Tensor | None = None  # on the device, from grad_stats()
@@ -177,7 +189,7 @@ class MixedPrecisionOptimizer:
         """First half of `step`: unscale the grads (fp16) and reduce their statistics over every
         rank holding a piece of the model. Returns [global grad norm, found inf/NaN (fp16;
         always 0 otherwise)], fp32 on the device; `apply` takes their host values."""
-        for f in self.fragments:
+        for f in self.fragments if self.tier is None else ():
             f.main.grad = f.grad
         found_inf = self._unscale_and_check() if self.scaler is not None else \
             torch.zeros(1, dtype=torch.float32, device=current_device())
@@ -203,10 +215,17 @@ class MixedPrecisionOptimizer:
             return False, None
         if not math.isfinite(grad_norm):
             return False, grad_norm
+        clipping = self.clip_grad > 0 and self.clip_grad / (grad_norm + 1e-6) < 1.0
+        if self.tier is not None:
+            coef = torch.clamp(self.clip_grad / (self._grad_norm + 1e-6), max=1.0) \
+                if clipping else None  # as clip_grads_with_norm_
+            self.tier.step(self.optimizer, coef)
+            self._copy_main_to_model()
+            return True, grad_norm
         for f in self.fragments:  # main params in host memory (offload): grads to the host
             if f.main.device != f.grad.device:
                 f.main.grad = f.grad.to(f.main.device)
-        if self.clip_grad > 0 and self.clip_grad / (grad_norm + 1e-6) < 1.0:  # scale only when clipping
+        if clipping:  # scale only when clipping
             torch.nn.utils.clip_grads_with_norm_([f.main for f in self.fragments],
                                                  self.clip_grad, self._grad_norm)
         self.optimizer.step()
@@ -226,25 +245,40 @@ class MixedPrecisionOptimizer:
         return self.apply(grad_norm, found_inf > 0, loss_is_finite)
 
     def _copy_main_to_model(self) -> None:
-        pairs = [(f.target, f.main) for f in self.fragments if f.target is not None]
+        """The stepped masters into the model's values (the nvme tier copies them as it steps)."""
+        pairs = [(f.target, f.main) for f in self.fragments
+                 if f.target is not None and self.tier is None]
         if pairs:
             torch._foreach_copy_(*map(list, zip(*pairs)))
+
+    def resident(self) -> contextlib.AbstractContextManager:
+        """Within it every fragment's `main` and torch optimizer state are whole tensors (a
+        checkpoint reads and fills them); the nvme tier loads them from its file and writes
+        them back, the in-memory optimizers hold them anyway."""
+        return self.tier.resident(self.optimizer) if self.tier else contextlib.nullcontext()
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Refresh the fp32 main params from the model params (after loading weights)."""
+        if self.tier is not None:
+            return self.tier.write_masters()
         for f in self.fragments:
             if f.target is not None:
                 f.main.copy_(f.target)
 
     def state_dict(self) -> dict:
         """This rank's optimizer state, fp32 main params (separate copies only) and scaler."""
-        return {"optimizer": portable_state_dict(self.optimizer),
-                "main_params": [f.main for f in self.fragments if f.target is not None],
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        with self.resident():
+            return {"optimizer": portable_state_dict(self.optimizer),
+                    "main_params": [f.main.data for f in self.fragments if f.target is not None],
+                    "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self.resident():
+            self._load_state_dict(state)
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
+    def _load_state_dict(self, state: dict) -> None:
         mains = [f.main for f in self.fragments if f.target is not None]
         shapes = [tuple(t.shape) for t in state["main_params"]]
         if shapes != [tuple(t.shape) for t in mains]:

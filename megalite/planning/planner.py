@@ -32,7 +32,8 @@ from megalite.planning.activations import (ACTIVATION_BYTES, activation_bytes_pe
 from megalite.planning.flops import flops_per_iteration
 from megalite.planning.params import fsdp_units, stage_expert_params, stage_params
 from megalite.planning.state_bytes import (FP32, PARAM_GRAD_BYTES, StateBytes, gather_bytes,
-                                           optimizer_state_bytes, state_bytes_per_param)
+                                           optimizer_state_bytes, state_bytes_per_param,
+                                           tier_host_bytes)
 from megalite.schedules.accounting import schedule_bubble
 
 
@@ -154,6 +155,22 @@ class Plan:
     def save_time(self, write_gbps: float) -> float:
         """Seconds of a save when every rank writes its bytes at `write_gbps` GB/s at once."""
         return max(self.checkpoint_bytes(stage) for stage in self.stages) / (write_gbps * 1e9)
+
+    def tier_bytes(self) -> tuple[float, float]:
+        """(bytes in the nvme tier's file, host bytes of the tier: its buffers, or the cpu
+        tier's state) on the rank of the largest share (0, state or 0 without a tier)."""
+        o = self.configs.optimizer
+        nvme = max(s.state_bytes.nvme for s in self.stages.values())
+        host = tier_host_bytes(o.offload_sub_group_size, o) if self.layout.nvme_offload \
+            else max(s.state_bytes.host for s in self.stages.values())
+        return nvme, host
+
+    def tier_io_seconds(self, disk_gbps: float) -> tuple[float, float]:
+        """(bytes the nvme tier reads plus writes per step on one rank: its file once each
+        way; the seconds they take at `disk_gbps` GB/s, not counting their overlap with the
+        step's compute)."""
+        io = 2 * self.tier_bytes()[0]
+        return io, io / (disk_gbps * 1e9)
 
     def step_time(self, peak_tflops: float, mfu: float) -> float:
         """Seconds per step if every GPU sustains `mfu` of `peak_tflops` on `flops`."""
@@ -290,12 +307,12 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
     padded_vocab = pad_vocab_size(configs.model.vocab_size,
                                   configs.model.make_vocab_size_divisible_by, tp)
     ep, sharding = par.expert_model_parallel_size, layout.sharding
-    offload = layout.cpu_offload
-    state = state_bytes_per_param(precision, sharding, dp * cp, offload, configs.optimizer)
+    offload, nvme = layout.cpu_offload, layout.nvme_offload
+    state = state_bytes_per_param(precision, sharding, dp * cp, offload, configs.optimizer, nvme)
     if schedule.weight_versions > 1:  # 2bw: the previous weights, whole on every rank
         state = dataclasses.replace(state, params=state.params * schedule.weight_versions)
     expert_state = state_bytes_per_param(precision, sharding, dp * cp // ep, offload,
-                                         configs.optimizer)
+                                         configs.optimizer, nvme)
     stored, working = _layer_stack(configs, configs.model.num_layers // (pp * v), e, tp,
                                    sequence_parallel)
     gpipe = schedule.name == GPIPE
@@ -312,3 +329,9 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
                                    stage_expert_params(configs.model, tp, pp, rank, v, ep),
                                    expert_state, gather)
     return Plan(configs, layout, precision, sequence_parallel, padded_vocab, stages)
+
+
+def run_plan(configs: Configs, layout: RunLayout) -> Plan:
+    """The plan of a training run's `configs` on its checked `layout` (DP from the world)."""
+    parallel = dataclasses.replace(configs.parallel, data_parallel_size=layout.grid.dp)
+    return plan(dataclasses.replace(configs, parallel=parallel))

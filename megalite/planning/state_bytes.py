@@ -12,7 +12,10 @@ accumulates fp32 grads (Megatron's table: bf16 2 + 4 + 12). `optim_grads` and
 grads reduce (and stay) in fp32, so every precision keeps 4 + 4 + 8 sharded, 16/N, and
 gathers compute-dtype copies of the parameters (`gather_bytes`). `--optimizer-cpu-offload`
 moves the optimizer state to host memory, and under FSDP2 (CPUOffloadPolicy) the sharded
-parameters and grads too: `StateBytes.host` of the total is then in host memory.
+parameters and grads too: `StateBytes.host` of the total is then in host memory. The nvme
+tier (`--optimizer-offload-device nvme`, megalite.optimizer.nvme_tier) moves the optimizer's
+state and its separate fp32 masters (bf16/fp16 on the grad buffer) to a file:
+`StateBytes.nvme`; host memory holds its buffers (`tier_host_bytes`), not per parameter.
 
 What a strategy shards, whether FSDP2 runs it and what offload moves are the fields of its
 megalite.config.sharding record; the optimizer's state bytes (AdamW's m, v: 8; SGD's momentum: 4)
@@ -42,6 +45,7 @@ class StateBytes:
     grads: float
     optimizer: float
     host: float = 0.0
+    nvme: float = 0.0  # in the nvme tier's file
 
     @property
     def total(self) -> float:
@@ -49,15 +53,16 @@ class StateBytes:
 
     @property
     def device(self) -> float:
-        return self.total - self.host
+        return self.total - self.host - self.nvme
 
     def __mul__(self, count: float) -> "StateBytes":
         return StateBytes(self.params * count, self.grads * count, self.optimizer * count,
-                          self.host * count)
+                          self.host * count, self.nvme * count)
 
     def __add__(self, other: "StateBytes") -> "StateBytes":
         return StateBytes(self.params + other.params, self.grads + other.grads,
-                          self.optimizer + other.optimizer, self.host + other.host)
+                          self.optimizer + other.optimizer, self.host + other.host,
+                          self.nvme + other.nvme)
 
 
 def optimizer_state_bytes(optimizer: OptimizerConfig | None = None) -> int:
@@ -87,21 +92,36 @@ def zero_bytes(components: tuple[float, float, float], strategy: str, n: int,
 
 
 def state_bytes_per_param(precision: str, strategy: str = NO_SHARD.name, n: int = 1,
-                          offload: bool = False, optimizer: OptimizerConfig | None = None
-                          ) -> StateBytes:
+                          offload: bool = False, optimizer: OptimizerConfig | None = None,
+                          nvme: bool = False) -> StateBytes:
     """Model-state bytes per parameter on one rank, between steps, as megalite holds them
     (`optimizer`: whose state, default AdamW's 8 bytes): fp32 16 / 8 + 8/N, bf16 18 / 6 +
     12/N on the gradient buffer (no_shard / optim), 16/N under FSDP2 (optim_grads,
     optim_grads_params) whatever the precision. Offloaded, the gradient buffer's optimizer
     keeps an fp32 master and Adam m, v on the host (12 or 12/N bytes, also for fp32
     params); FSDP2 keeps all its 16/N there. The optimizer kind's reducer state (1-bit
-    family: 8 + 4/N) is added to the optimizer's, on the device and unsharded."""
+    family: 8 + 4/N) is added to the optimizer's, on the device and unsharded. `nvme`: the
+    optimizer's state, and its fp32 masters where they are a copy (bf16/fp16 on the grad
+    buffer), in files: 12/N bf16, 8/N fp32 or under FSDP2 (its sharded parameters are the
+    masters)."""
     record = sharding_strategy(strategy)
-    components = held_components(precision, record, offload, optimizer_state_bytes(optimizer))
+    state = optimizer_state_bytes(optimizer)
+    components = held_components(precision, record, offload, state)
     parts = record.bytes_per_param(*components, n, held=True)
     parts["optimizer"] += optimizer_kind((optimizer or OptimizerConfig()).optimizer
                                          ).reducer_bytes(n)
-    return StateBytes(**parts, host=sum(parts[c] for c in record.offloaded) if offload else 0.0)
+    in_file = 0.0
+    if nvme:
+        masters = 0 if record.fsdp or precision == "fp32" else FP32
+        in_file = (masters + state) / (n if record.shards_optimizer else 1)
+    return StateBytes(**parts, host=sum(parts[c] for c in record.offloaded) if offload else 0.0,
+                      nvme=in_file)
+
+
+def tier_host_bytes(sub_group_size: int, optimizer: OptimizerConfig | None = None) -> int:
+    """Host memory of the nvme tier's buffers: 3 sub-groups of `sub_group_size` parameters,
+    each an fp32 master, state and grad (megalite.optimizer.nvme_tier)."""
+    return 3 * sub_group_size * (2 * FP32 + optimizer_state_bytes(optimizer))
 
 
 def gather_bytes(precision: str, strategy: str, stage_params: int, root: int, largest: int,
@@ -130,9 +150,10 @@ def describe(precision: str, strategy: str, n: int, ep: int, offload: bool, dens
     """The start-up line: model-state bytes of `dense` params sharded over n ranks and
     `expert` params over n / ep, e.g. 'model state per rank: 110.0 MiB (12 B/param, sharding
     optim over 2 ranks); 20.0 MiB of it in host memory; + 10.0 MiB of gathered parameters
-    at the peak'; with `optimizer`, its name after the sharding ('..., optimizer muon)')."""
-    state = state_bytes_per_param(precision, strategy, n, offload, optimizer) * dense \
-        + state_bytes_per_param(precision, strategy, n // ep, offload, optimizer) * expert
+    at the peak'; with `optimizer`, its name after the sharding ('..., optimizer muon')."""
+    nvme = optimizer is not None and optimizer.offload_device == "nvme"
+    state = state_bytes_per_param(precision, strategy, n, offload, optimizer, nvme) * dense \
+        + state_bytes_per_param(precision, strategy, n // ep, offload, optimizer, nvme) * expert
     mib = 2 ** 20
     per_param = state.total / (dense + expert)
     named = f", optimizer {optimizer.optimizer}" if optimizer is not None else ""
@@ -140,6 +161,10 @@ def describe(precision: str, strategy: str, n: int, ep: int, offload: bool, dens
             f"sharding {strategy} over {n} rank{'s' if n > 1 else ''}{named})")
     if state.host:
         line += f"; {state.host / mib:,.1f} MiB of it in host memory"
+    if nvme:
+        buffers = tier_host_bytes(optimizer.offload_sub_group_size, optimizer)
+        line += (f"; {state.nvme / mib:,.1f} MiB of it in files under --offload-nvme-path "
+                 f"(nvme tier; {buffers / mib:,.1f} MiB of host buffers)")
     if gather:
         line += f"; + {gather / mib:,.1f} MiB of gathered parameters at the peak"
     return line

@@ -4,6 +4,7 @@ Every rank checks its own filesystem, so a `--save` on a node-local disk is chec
 node. A problem is one ValueError naming the flag.
 """
 import os
+import shutil
 import tempfile
 
 from megalite import checkpoint
@@ -11,6 +12,7 @@ from megalite.config import Configs
 from megalite.data.gpt_dataset import check_data, check_split
 from megalite.layout import RunLayout
 from megalite.models.layer_drop import check_layer_drop
+from megalite.planning.planner import run_plan
 from megalite.training.log_writers import check_available
 from megalite.training.resilience import parse_faults
 
@@ -59,6 +61,8 @@ def check_before_start(configs: Configs, layout: RunLayout) -> None:
                    needs_train=t.train_iters > 0)
     check_available(t.tensorboard_dir, t.wandb_project)
     check_layer_drop(configs)
+    if configs.optimizer.offload_device == "nvme":
+        check_nvme_path(configs, layout)
     parse_faults(os.environ.get("MEGALITE_FAULT", ""))
     start = 0
     if ckpt.load and (meta := checkpoint.read_meta(ckpt.load)):
@@ -72,3 +76,24 @@ def check_before_start(configs: Configs, layout: RunLayout) -> None:
         raise ValueError(f"--save {ckpt.save} already holds iteration {saved}, newer than this "
                          f"run's start ({start}): pass --load {ckpt.save} to resume it, or "
                          f"another --save directory")
+
+
+def free_bytes(path: str) -> int:
+    """Bytes free for this user on the filesystem of `path`."""
+    return shutil.disk_usage(path).free
+
+
+def check_nvme_path(configs: Configs, layout: RunLayout) -> None:
+    """--offload-nvme-path is an existing writable directory whose filesystem has room for the
+    nvme tier's files of every rank of this node (LOCAL_WORLD_SIZE, torchrun's; else the
+    world): the planner's bytes per rank (megalite.planning.planner.Plan.tier_bytes)."""
+    path, flag = configs.optimizer.offload_nvme_path, "--offload-nvme-path"
+    if not os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: no such directory (the nvme tier's scratch files go "
+                         f"there: give an existing directory on a local disk)")
+    check_writable_dir(flag, path)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    need, free = run_plan(configs, layout).tier_bytes()[0] * ranks, free_bytes(path)
+    if need > free:
+        raise ValueError(f"{flag} {path}: the nvme tier needs {need / 2 ** 20:,.1f} MiB for "
+                         f"{ranks} rank(s) of this node, {free / 2 ** 20:,.1f} MiB are free")

@@ -115,7 +115,7 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
     strategy = sharding_strategy(o.sharding)
     if strategy.fsdp:
         return [shard_model(chunk, strategy.name, configs.precision.params_dtype,
-                            o.optimizer_cpu_offload) for chunk in chunks]
+                            o.offload_device == "cpu") for chunk in chunks]
     # progressive layer dropping: a replica's dropped layers get no grads, so buckets would
     # become ready in a different order on each replica; all are reduced after backward
     overlap = o.overlap_grad_reduce and not configs.train.progressive_layer_drop

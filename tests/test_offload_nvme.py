@@ -1,0 +1,188 @@
+"""The nvme tier (--optimizer-offload-device nvme, megalite.optimizer.nvme_tier).
+
+Parity: the loss and global grad-norm curves equal those of the same layout without offload
+(fp32, Adam with clipping active, a constant learning rate; 3 steps) at DP2 ZeRO-1, DP2 ZeRO-3
+and TP2 x PP2 x DP2 ZeRO-3, and at DP2 ZeRO-1 in bf16, whose fp32 masters live in the file.
+Sub-groups of 700 parameters: fragments span sub-groups and the three buffers are reused.
+
+Resume chain: an nvme-tier run stopped by SIGTERM after step 2 (checkpoint read through the
+tier), resumed without the tier at TP2 with the distributed optimizer (state resharded),
+stopped at step 4, resumed with the tier at DP2 ZeRO-3 to step 6: the uninterrupted run's
+curve (1e-5: the layouts sum in other orders).
+
+Bad paths are one line before training: missing, not writable (simulated: root ignores
+permissions) and too small for the planner's bytes (free space simulated).
+"""
+import os
+import tempfile
+
+import pytest
+
+from megalite.tasks import gpt as pretrain_gpt
+from tests.helpers.gpt_run import make_dataset, tiny_args, train_with_grad_norms
+from tests.helpers.multirank import run_on_ranks
+
+EXACT = ["--hidden-dropout", "0", "--attention-dropout", "0", "--lr-decay-style", "constant",
+         "--lr-warmup-iters", "0", "--clip-grad", "0.05"]  # grad norm ~1.2: clipping on
+ZERO1 = ["--use-distributed-optimizer"]
+ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
+SUB_GROUP = 700
+
+
+def _nvme(path: str) -> list[str]:
+    return ["--optimizer-offload-device", "nvme", "--offload-nvme-path", path,
+            "--offload-sub-group-size", str(SUB_GROUP)]
+
+
+def _curves(prefix: str, root: str, layouts: dict[str, list[str]]) -> dict:
+    """{name: ((losses, grad norms) without offload, with the nvme tier, files left)}."""
+    out = {}
+    for name, flags in layouts.items():
+        nvme = os.path.join(root, f"nvme-{name}")
+        os.makedirs(nvme, exist_ok=True)
+        curves = [train_with_grad_norms(tiny_args(prefix, os.path.join(root, f"{name}-{tier}"),
+                                                  3, *EXACT, *flags, *extra))
+                  for tier, extra in (("none", []), ("nvme", _nvme(nvme)))]
+        out[name] = (*curves, os.listdir(nvme))
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    return make_dataset(str(tmp_path_factory.mktemp("data")))
+
+
+def _check_parity(results: dict) -> None:
+    for name, (plain, nvme, left) in results.items():
+        assert len(set(plain[0].values())) == 3, name  # every step moves the weights
+        assert nvme == plain, name  # equal: the same fp32 arithmetic, element by element
+        assert left == [], f"{name}: the tier's scratch directory was not removed"
+
+
+def test_nvme_tier_curves_and_resume_at_dp2(data, tmp_path):
+    """One 2-rank task: parity at ZeRO-1, ZeRO-3 and bf16 ZeRO-1; then the resume chain."""
+    layouts = {"zero1": ZERO1, "zero3": ZERO3, "bf16 zero1": ZERO1 + ["--bf16"]}
+    results = run_on_ranks(2, _curves, data, str(tmp_path), layouts)
+    _check_parity(results[0])
+    chain = run_on_ranks(2, _resume_chain, data, str(tmp_path / "chain"))[0]
+    want, got = chain
+    assert sorted(got) == list(range(1, 7))
+    assert max(abs(got[i] - want[i]) / abs(want[i]) for i in want) < 1e-5, (got, want)
+
+
+def _resume_chain(prefix: str, root: str) -> tuple[dict, dict]:
+    """(uninterrupted losses, the chain's losses by iteration): see the module docstring."""
+    nvme = os.path.join(root, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    ck = os.path.join(root, "ck")
+    base = lambda save, *flags: tiny_args(prefix, save, 6, *EXACT, *flags)  # noqa: E731
+    want = train_with_grad_norms(base(os.path.join(root, "whole"), *ZERO1))[0]
+    got = {}
+    os.environ["MEGALITE_FAULT"] = "sigterm@2:1"
+    try:
+        got.update(train_with_grad_norms(base(ck, *ZERO1, *_nvme(nvme)))[0])
+    finally:
+        del os.environ["MEGALITE_FAULT"]
+    got.update(train_with_grad_norms(base(ck, *ZERO1, "--tp", "2", "--load", ck,
+                                          "--exit-interval", "4"))[0])
+    got.update(train_with_grad_norms(base(ck, *ZERO3, *_nvme(nvme), "--load", ck))[0])
+    return want, got
+
+
+def test_nvme_tier_curves_at_tp2_pp2_dp2_zero3(data, tmp_path):
+    layouts = {"zero3 tp2 pp2 dp2": ZERO3 + ["--tp", "2", "--pp", "2"]}
+    _check_parity(run_on_ranks(8, _curves, data, str(tmp_path), layouts)[0])
+
+
+def _start_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as stop:
+        pretrain_gpt.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err.strip()
+
+
+def test_bad_nvme_paths_are_one_line_before_training(data, tmp_path, capsys, monkeypatch):
+    argv = lambda path: tiny_args(data, str(tmp_path / "ck"), 2, *ZERO1, *_nvme(path))  # noqa
+    missing = str(tmp_path / "no-disk")
+    assert _start_error(capsys, argv(missing)) == \
+        (f"error: --offload-nvme-path {missing}: no such directory (the nvme tier's scratch "
+         f"files go there: give an existing directory on a local disk)")
+    monkeypatch.setattr("megalite.training.checks.free_bytes", lambda path: 0)
+    line = _start_error(capsys, argv(str(tmp_path)))
+    assert line.startswith(f"error: --offload-nvme-path {tmp_path}: the nvme tier needs ")
+    assert line.endswith("MiB for 1 rank(s) of this node, 0.0 MiB are free")
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    temporary_file = tempfile.TemporaryFile
+
+    def refuse(dir):
+        if dir == str(disk):
+            raise PermissionError(13, "Permission denied")
+        return temporary_file(dir=dir)
+    monkeypatch.setattr("megalite.training.checks.tempfile.TemporaryFile", refuse)
+    assert _start_error(capsys, argv(str(disk))) == \
+        f"error: --offload-nvme-path {disk}: {disk} is not writable (Permission denied)"
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("dtype,strategy", [("bf16", "optim"), ("fp32", "optim"),
+                                            ("fp32", "optim_grads_params")])
+def test_tier_file_holds_the_planners_bytes_in_sub_groups(tmp_path, dtype, strategy):
+    """The file of a tier over a 2-D and a 1-D parameter holds the planner's nvme bytes per
+    parameter (bf16: master + m, v = 12; fp32 and FSDP2, whose params are the masters: 8), its
+    sub-groups cover every element once, none over the sub-group size; the directory goes with
+    the tier."""
+    import gc
+
+    import torch
+
+    from megalite.optimizer.nvme_tier import NvmeTier
+    from megalite.optimizer.optimizer import Fragment
+    from megalite.planning.state_bytes import state_bytes_per_param
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    params = [torch.nn.Parameter(torch.randn(37, 29, dtype=torch_dtype)),
+              torch.nn.Parameter(torch.randn(50, dtype=torch_dtype))]
+    fragments = [Fragment.of(p, p.detach().view(-1), torch.zeros(p.numel()), in_place=True)
+                 if strategy == "optim" else Fragment(p, p.detach(), torch.zeros(p.numel()), None)
+                 for p in params]
+    tier = NvmeTier(fragments, ("exp_avg", "exp_avg_sq"), str(tmp_path), 400)
+    numel = sum(p.numel() for p in params)
+    assert tier.file_bytes == state_bytes_per_param(dtype, strategy, 1, nvme=True).nvme * numel
+    covered = [set() for _ in params]
+    for group in tier.groups:
+        assert sum(p.hi - p.lo for p in group.pieces) <= 400
+        for p in group.pieces:
+            assert not covered[p.index] & set(range(p.lo, p.hi))
+            covered[p.index] |= set(range(p.lo, p.hi))
+    assert [len(c) for c in covered] == [p.numel() for p in params]
+    assert len(os.listdir(tmp_path)) == 1
+    del tier, fragments
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("fields,line", [
+    ({"optimizer_offload_device": "nvme"},
+     "--optimizer-offload-device nvme and --offload-nvme-path DIR go together"),
+    ({"optimizer_cpu_offload": True, "optimizer_offload_device": "nvme",
+      "offload_nvme_path": "/tmp"},
+     "--optimizer-cpu-offload is --optimizer-offload-device cpu: it cannot go with"),
+])
+def test_tier_flag_combinations_are_one_line(fields, line):
+    from megalite.config import OptimizerConfig
+    with pytest.raises(ValueError) as error:
+        OptimizerConfig(**fields)
+    assert line in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_tier_needs_a_sharded_strategy():
+    from megalite.config import parse_configs
+    from megalite.layout import RunLayout
+    configs = parse_configs(["--num-layers", "4", *_nvme("/tmp")])
+    with pytest.raises(ValueError) as error:
+        RunLayout.from_configs(configs, 2)
+    assert str(error.value).startswith(
+        "--optimizer-offload-device nvme needs a sharded --data-parallel-sharding-strategy")
