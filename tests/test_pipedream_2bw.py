@@ -32,8 +32,8 @@ VOCAB, SEQ, MICRO, M, STEPS, SEED, LR = 97, 8, 2, 4, 4, 1234, 1e-2
 DRAINS = {2, 4}  # the pipeline empties after these steps (as before an evaluation or save)
 
 
-def flags(tp: int, pp: int, dp: int, optimizer: str) -> list[str]:
-    return ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+def flags(tp: int, pp: int, dp: int, optimizer: str, sharding: str = "no_shard") -> list[str]:
+    return ["--data-parallel-sharding-strategy", sharding, "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
             "--vocab-size", str(VOCAB), "--seq-length", str(SEQ), "--max-position-embeddings",
             str(SEQ), "--micro-batch-size", str(MICRO), "--global-batch-size",
             str(MICRO * M * dp), "--tp", str(tp), "--pp", str(pp), "--pipeline-schedule", "2bw",
@@ -63,12 +63,13 @@ def forward_step(data_iterator, chunk):
     return chunk(tokens[:, :-1], tokens[:, 1:]), loss_func
 
 
-def pipelined_curve(tp: int, pp: int, optimizer: str) -> tuple[list[float], list[float]]:
+def pipelined_curve(tp: int, pp: int, optimizer: str, sharding: str
+                    ) -> tuple[list[float], list[float]]:
     """(loss, grad norm) of each step of 2bw on this rank's layout (train_step, drains after
     DRAINS)."""
     world = torch.distributed.get_world_size()
     dp = world // (tp * pp)
-    configs = parse_configs(flags(tp, pp, dp, optimizer))
+    configs = parse_configs(flags(tp, pp, dp, optimizer, sharding))
     layout = RunLayout.from_configs(configs, world)
     setup_parallel(configs, layout)
     from megalite.mpu import parallel_state as ps
@@ -125,20 +126,23 @@ def reference_curve(dp: int, optimizer: str, delayed: bool = True
     return losses, norms
 
 
-CASES = ((1, 2, "sgd"), (1, 4, "adam"), (2, 2, "sgd"), (2, 2, "adam"))  # TP, PP, optimizer
+CASES = ((1, 2, "sgd", "no_shard"), (1, 4, "adam", "no_shard"), (2, 2, "sgd", "no_shard"),
+         (2, 2, "adam", "no_shard"), (2, 2, "adam", "optim"))  # TP, PP, optimizer, sharding
 
 
 def _curves() -> dict:
     """Each case on the 8 ranks: {case: (its curves, the reference's on rank 0, the reference
     without the delay on rank 0)}."""
-    got = {(tp, pp, optimizer): pipelined_curve(tp, pp, optimizer) for tp, pp, optimizer in CASES}
+    got = {case: pipelined_curve(*case) for case in CASES}
     initialize_model_parallel(1, 1)
-    out = {}
-    for (tp, pp, optimizer), curve in got.items():
+    out, refs = {}, {}
+    for (tp, pp, optimizer, sharding), curve in got.items():
         dp = 8 // (tp * pp)
-        refs = (reference_curve(dp, optimizer), reference_curve(dp, optimizer, delayed=False)) \
-            if torch.distributed.get_rank() == 0 else (None, None)
-        out[f"TP{tp} PP{pp} DP{dp} {optimizer}"] = (curve, *refs)
+        if torch.distributed.get_rank() == 0 and (dp, optimizer) not in refs:
+            refs[dp, optimizer] = (reference_curve(dp, optimizer),
+                                   reference_curve(dp, optimizer, delayed=False))
+        out[f"TP{tp} PP{pp} DP{dp} {optimizer} {sharding}"] = (
+            curve, *refs.get((dp, optimizer), (None, None)))
     destroy_model_parallel()
     return out
 
@@ -219,9 +223,9 @@ def test_the_planner_counts_the_previous_weights():
 
 @pytest.mark.parametrize("extra, message", [
     (["--vpp", "2"], "--pipeline-schedule 2bw runs one model chunk per rank: drop --vpp (2)"),
-    (["--data-parallel-sharding-strategy", "optim"],
+    (["--data-parallel-sharding-strategy", "optim_grads"],
      "--pipeline-schedule 2bw keeps two versions of whole parameters on each rank: it needs "
-     "--data-parallel-sharding-strategy no_shard (got optim)"),
+     "--data-parallel-sharding-strategy no_shard or optim (got optim_grads)"),
     (["--data-parallel-sharding-strategy", "optim_grads_params"], "(got optim_grads_params)"),
     (["--pp", "1"], "--pipeline-schedule 2bw pipelines steps over stages: it needs --pp >= 2"),
     (["--num-experts", "2"], "--pipeline-schedule 2bw cannot run MoE layers"),
