@@ -188,10 +188,11 @@ def data(tmp_path_factory):
     return make_dataset(str(tmp_path_factory.mktemp("data")))
 
 
-def _straight_and_resumed(prefix: str, root: str) -> tuple[dict, dict, dict]:
+def _straight_and_resumed(prefix: str, root: str, sharding: str) -> tuple[dict, dict, dict]:
     """2bw at PP2 x DP2 (m = 2) with dropout: 4 steps straight (steps in flight across 1-3);
     SIGTERM on rank 0 in step 2 (the run drains in step 3 and saves), then resumed to 4."""
-    layout = ["--pp", "2", "--pipeline-schedule", "2bw", "--lr-decay-style", "constant"]
+    layout = ["--pp", "2", "--pipeline-schedule", "2bw", "--lr-decay-style", "constant",
+              "--data-parallel-sharding-strategy", sharding]
     straight = train(tiny_args(prefix, f"{root}/a", 4, *layout))
     os.environ["MEGALITE_FAULT"] = "sigterm@2:0"
     try:
@@ -202,8 +203,11 @@ def _straight_and_resumed(prefix: str, root: str) -> tuple[dict, dict, dict]:
     return straight, stopped, resumed
 
 
-def test_sigterm_and_resume_are_exact(tmp_path, data):
-    straight, stopped, resumed = run_on_ranks(4, _straight_and_resumed, data, str(tmp_path))[0]
+@pytest.mark.parametrize("sharding", ["no_shard", "optim"])
+def test_sigterm_and_resume_are_exact(tmp_path, data, sharding):
+    """Both weight versions saved and loaded: per parameter, and from ZeRO-1's flat buffers."""
+    straight, stopped, resumed = run_on_ranks(4, _straight_and_resumed, data, str(tmp_path),
+                                              sharding)[0]
     assert sorted(stopped) == [1, 2, 3]  # SIGTERM in step 2: the pipeline drains in step 3
     assert sorted(resumed) == [4]
     assert {**stopped, **resumed} == straight  # bit for bit
