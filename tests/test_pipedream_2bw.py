@@ -213,16 +213,22 @@ def test_sigterm_and_resume_are_exact(tmp_path, data, sharding):
     assert {**stopped, **resumed} == straight  # bit for bit
 
 
-def test_the_planner_counts_the_previous_weights():
-    """2bw holds one more copy of the weights than 1f1b: 4 bytes per parameter in fp32, the rest
-    of the model state and the in-flight microbatches alike."""
-    one, two = (plan(parse_configs(flags(1, 2, 1, "adam") + ["--pipeline-schedule", name]))
+@pytest.mark.parametrize("sharding", ["no_shard", "optim"])
+def test_the_planner_counts_the_previous_weights(sharding):
+    """2bw holds one more copy of the weights than 1f1b (ZeRO-1 too: its flat param buffer is
+    whole on every rank): 4 bytes per parameter in fp32, the rest of the model state and the
+    in-flight microbatches alike; a checkpoint adds the previous weights, 4 bytes per
+    parameter split over the DP ranks."""
+    one, two = (plan(parse_configs(flags(1, 2, 2, "adam", sharding)
+                                   + ["--pipeline-schedule", name, "--data-parallel-size", "2"]))
                 for name in ("1f1b", "2bw"))
     for stage in ("first", "last"):
         a, b = one.stages[stage], two.stages[stage]
         assert (b.state.params, b.state.grads, b.state.optimizer) == \
             (2 * a.state.params, a.state.grads, a.state.optimizer) and a.state.params == 4
         assert b.inflight == a.inflight and b.params == a.params
+        assert two.checkpoint_bytes(stage) == one.checkpoint_bytes(stage) + 4 * a.params / 2
+    assert two.save_host_bytes(False) > one.save_host_bytes(False)
 
 
 @pytest.mark.parametrize("extra, message", [
