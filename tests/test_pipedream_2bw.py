@@ -1,7 +1,8 @@
 """PipeDream-2BW (--pipeline-schedule 2bw): the delayed update W(t+1) = W(t) - lr grad f(W(t-1))
 against a single-process reference written here from that equation (SGD and AdamW, clipping
-on), at PP2 x DP4, PP4 x DP2 and TP2 x PP2 x DP2 with m = 4 over 4 steps with a drain after
-step 2; its segments against the 1F1B table they are cut from; SIGTERM and resume; refusals.
+on), at PP2 x DP4, PP4 x DP2 and TP2 x PP2 x DP2 (also with ZeRO-1) with m = 4 over 4 steps
+with a drain after step 2; its segments against the 1F1B table they are cut from; SIGTERM and
+resume (DDP and ZeRO-1); the planner; refusals.
 """
 import functools
 import itertools
