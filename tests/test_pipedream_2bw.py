@@ -35,7 +35,8 @@ DRAINS = {2, 4}  # the pipeline empties after these steps (as before an evaluati
 
 def flags(tp: int, pp: int, dp: int, optimizer: str, sharding: str = "no_shard") -> list[str]:
     return ["--data-parallel-sharding-strategy", sharding, "--num-layers", "4",
-            "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", str(VOCAB), "--seq-length", str(SEQ), "--max-position-embeddings",
+            "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", str(VOCAB),
+            "--seq-length", str(SEQ), "--max-position-embeddings",
             str(SEQ), "--micro-batch-size", str(MICRO), "--global-batch-size",
             str(MICRO * M * dp), "--tp", str(tp), "--pp", str(pp), "--pipeline-schedule", "2bw",
             "--optimizer", optimizer, "--lr", str(LR), "--lr-decay-style", "constant",
