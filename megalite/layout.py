@@ -19,7 +19,7 @@ from megalite.mpu.parallel_state import GridLayout
 from megalite.optimizer.kinds import optimizer_kind
 from megalite.optimizer.scheduler import check_decay_iters
 from megalite.schedules import ScheduleKind, resolve_schedule, schedule_kind
-from megalite.config.sharding import NO_SHARD, STRATEGIES, ShardingStrategy, sharding_strategy
+from megalite.config.sharding import STRATEGIES, ShardingStrategy, sharding_strategy
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,10 @@ def check_sharding(o: OptimizerConfig, schedule: ScheduleKind) -> None:
             f"--optimizer-offload-device {o.offload_device}"
         raise ValueError(f"{spelling} needs a sharded {flag} ("
                          f"{_names(s for s in STRATEGIES if s.offload)})")
-    if schedule.across_steps and strategy.name != NO_SHARD.name:
+    if schedule.across_steps and strategy.fsdp:
         raise ValueError(f"--pipeline-schedule {schedule.name} keeps two versions of whole "
-                         f"parameters on each rank: it needs {flag} {NO_SHARD.name} (got "
-                         f"{strategy.name})")
+                         f"parameters on each rank: it needs {flag} "
+                         f"{_names(s for s in STRATEGIES if not s.fsdp)} (got {strategy.name})")
     if schedule.split_backward and not strategy.split_backward:
         raise ValueError(f"{flag} {strategy.name} cannot run the {schedule.name} schedule: it "
                          f"defers weight gradients past the backward whose end FSDP "

@@ -1,7 +1,8 @@
 """PipeDream-2BW (--pipeline-schedule 2bw): the delayed update W(t+1) = W(t) - lr grad f(W(t-1))
 against a single-process reference written here from that equation (SGD and AdamW, clipping
-on), at PP2 x DP4, PP4 x DP2 and TP2 x PP2 x DP2 with m = 4 over 4 steps with a drain after
-step 2; its segments against the 1F1B table they are cut from; SIGTERM and resume; refusals.
+on), at PP2 x DP4, PP4 x DP2 and TP2 x PP2 x DP2 (also with ZeRO-1) with m = 4 over 4 steps
+with a drain after step 2; its segments against the 1F1B table they are cut from; SIGTERM and
+resume (DDP and ZeRO-1); the planner; refusals.
 """
 import functools
 import itertools
@@ -32,9 +33,10 @@ VOCAB, SEQ, MICRO, M, STEPS, SEED, LR = 97, 8, 2, 4, 4, 1234, 1e-2
 DRAINS = {2, 4}  # the pipeline empties after these steps (as before an evaluation or save)
 
 
-def flags(tp: int, pp: int, dp: int, optimizer: str) -> list[str]:
-    return ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--vocab-size", str(VOCAB), "--seq-length", str(SEQ), "--max-position-embeddings",
+def flags(tp: int, pp: int, dp: int, optimizer: str, sharding: str = "no_shard") -> list[str]:
+    return ["--data-parallel-sharding-strategy", sharding, "--num-layers", "4",
+            "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", str(VOCAB),
+            "--seq-length", str(SEQ), "--max-position-embeddings",
             str(SEQ), "--micro-batch-size", str(MICRO), "--global-batch-size",
             str(MICRO * M * dp), "--tp", str(tp), "--pp", str(pp), "--pipeline-schedule", "2bw",
             "--optimizer", optimizer, "--lr", str(LR), "--lr-decay-style", "constant",
@@ -63,12 +65,13 @@ def forward_step(data_iterator, chunk):
     return chunk(tokens[:, :-1], tokens[:, 1:]), loss_func
 
 
-def pipelined_curve(tp: int, pp: int, optimizer: str) -> tuple[list[float], list[float]]:
+def pipelined_curve(tp: int, pp: int, optimizer: str, sharding: str
+                    ) -> tuple[list[float], list[float]]:
     """(loss, grad norm) of each step of 2bw on this rank's layout (train_step, drains after
     DRAINS)."""
     world = torch.distributed.get_world_size()
     dp = world // (tp * pp)
-    configs = parse_configs(flags(tp, pp, dp, optimizer))
+    configs = parse_configs(flags(tp, pp, dp, optimizer, sharding))
     layout = RunLayout.from_configs(configs, world)
     setup_parallel(configs, layout)
     from megalite.mpu import parallel_state as ps
@@ -125,20 +128,23 @@ def reference_curve(dp: int, optimizer: str, delayed: bool = True
     return losses, norms
 
 
-CASES = ((1, 2, "sgd"), (1, 4, "adam"), (2, 2, "sgd"), (2, 2, "adam"))  # TP, PP, optimizer
+CASES = ((1, 2, "sgd", "no_shard"), (1, 4, "adam", "no_shard"), (2, 2, "sgd", "no_shard"),
+         (2, 2, "adam", "no_shard"), (2, 2, "adam", "optim"))  # TP, PP, optimizer, sharding
 
 
 def _curves() -> dict:
     """Each case on the 8 ranks: {case: (its curves, the reference's on rank 0, the reference
     without the delay on rank 0)}."""
-    got = {(tp, pp, optimizer): pipelined_curve(tp, pp, optimizer) for tp, pp, optimizer in CASES}
+    got = {case: pipelined_curve(*case) for case in CASES}
     initialize_model_parallel(1, 1)
-    out = {}
-    for (tp, pp, optimizer), curve in got.items():
+    out, refs = {}, {}
+    for (tp, pp, optimizer, sharding), curve in got.items():
         dp = 8 // (tp * pp)
-        refs = (reference_curve(dp, optimizer), reference_curve(dp, optimizer, delayed=False)) \
-            if torch.distributed.get_rank() == 0 else (None, None)
-        out[f"TP{tp} PP{pp} DP{dp} {optimizer}"] = (curve, *refs)
+        if torch.distributed.get_rank() == 0 and (dp, optimizer) not in refs:
+            refs[dp, optimizer] = (reference_curve(dp, optimizer),
+                                   reference_curve(dp, optimizer, delayed=False))
+        out[f"TP{tp} PP{pp} DP{dp} {optimizer} {sharding}"] = (
+            curve, *refs.get((dp, optimizer), (None, None)))
     destroy_model_parallel()
     return out
 
@@ -184,10 +190,11 @@ def data(tmp_path_factory):
     return make_dataset(str(tmp_path_factory.mktemp("data")))
 
 
-def _straight_and_resumed(prefix: str, root: str) -> tuple[dict, dict, dict]:
+def _straight_and_resumed(prefix: str, root: str, sharding: str) -> tuple[dict, dict, dict]:
     """2bw at PP2 x DP2 (m = 2) with dropout: 4 steps straight (steps in flight across 1-3);
     SIGTERM on rank 0 in step 2 (the run drains in step 3 and saves), then resumed to 4."""
-    layout = ["--pp", "2", "--pipeline-schedule", "2bw", "--lr-decay-style", "constant"]
+    layout = ["--pp", "2", "--pipeline-schedule", "2bw", "--lr-decay-style", "constant",
+              "--data-parallel-sharding-strategy", sharding]
     straight = train(tiny_args(prefix, f"{root}/a", 4, *layout))
     os.environ["MEGALITE_FAULT"] = "sigterm@2:0"
     try:
@@ -198,30 +205,39 @@ def _straight_and_resumed(prefix: str, root: str) -> tuple[dict, dict, dict]:
     return straight, stopped, resumed
 
 
-def test_sigterm_and_resume_are_exact(tmp_path, data):
-    straight, stopped, resumed = run_on_ranks(4, _straight_and_resumed, data, str(tmp_path))[0]
+@pytest.mark.parametrize("sharding", ["no_shard", "optim"])
+def test_sigterm_and_resume_are_exact(tmp_path, data, sharding):
+    """Both weight versions saved and loaded: per parameter, and from ZeRO-1's flat buffers."""
+    straight, stopped, resumed = run_on_ranks(4, _straight_and_resumed, data, str(tmp_path),
+                                              sharding)[0]
     assert sorted(stopped) == [1, 2, 3]  # SIGTERM in step 2: the pipeline drains in step 3
     assert sorted(resumed) == [4]
     assert {**stopped, **resumed} == straight  # bit for bit
 
 
-def test_the_planner_counts_the_previous_weights():
-    """2bw holds one more copy of the weights than 1f1b: 4 bytes per parameter in fp32, the rest
-    of the model state and the in-flight microbatches alike."""
-    one, two = (plan(parse_configs(flags(1, 2, 1, "adam") + ["--pipeline-schedule", name]))
+@pytest.mark.parametrize("sharding", ["no_shard", "optim"])
+def test_the_planner_counts_the_previous_weights(sharding):
+    """2bw holds one more copy of the weights than 1f1b (ZeRO-1 too: its flat param buffer is
+    whole on every rank): 4 bytes per parameter in fp32, the rest of the model state and the
+    in-flight microbatches alike; a checkpoint adds the previous weights, 4 bytes per
+    parameter split over the DP ranks."""
+    one, two = (plan(parse_configs(flags(1, 2, 2, "adam", sharding)
+                                   + ["--pipeline-schedule", name, "--data-parallel-size", "2"]))
                 for name in ("1f1b", "2bw"))
     for stage in ("first", "last"):
         a, b = one.stages[stage], two.stages[stage]
         assert (b.state.params, b.state.grads, b.state.optimizer) == \
             (2 * a.state.params, a.state.grads, a.state.optimizer) and a.state.params == 4
         assert b.inflight == a.inflight and b.params == a.params
+        assert two.checkpoint_bytes(stage) == one.checkpoint_bytes(stage) + 4 * a.params / 2
+    assert two.save_host_bytes(False) > one.save_host_bytes(False)
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--vpp", "2"], "--pipeline-schedule 2bw runs one model chunk per rank: drop --vpp (2)"),
-    (["--data-parallel-sharding-strategy", "optim"],
+    (["--data-parallel-sharding-strategy", "optim_grads"],
      "--pipeline-schedule 2bw keeps two versions of whole parameters on each rank: it needs "
-     "--data-parallel-sharding-strategy no_shard (got optim)"),
+     "--data-parallel-sharding-strategy no_shard or optim (got optim_grads)"),
     (["--data-parallel-sharding-strategy", "optim_grads_params"], "(got optim_grads_params)"),
     (["--pp", "1"], "--pipeline-schedule 2bw pipelines steps over stages: it needs --pp >= 2"),
     (["--num-experts", "2"], "--pipeline-schedule 2bw cannot run MoE layers"),

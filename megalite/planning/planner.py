@@ -37,10 +37,12 @@ from megalite.planning.state_bytes import (FP32, PARAM_GRAD_BYTES, StateBytes, g
 from megalite.schedules.accounting import schedule_bubble
 
 
-def checkpoint_bytes_per_param(precision: str, optimizer: OptimizerConfig) -> tuple[int, int]:
-    """(all, weights): bytes per parameter in a checkpoint, of weights, fp32 masters (bf16,
-    fp16) and the optimizer state of its megalite.optimizer.kinds record; and the weights'."""
-    weights, _ = PARAM_GRAD_BYTES[precision]
+def checkpoint_bytes_per_param(precision: str, optimizer: OptimizerConfig,
+                               weight_versions: int = 1) -> tuple[int, int]:
+    """(all, weights): bytes per parameter in a checkpoint, of weights (`weight_versions` of
+    them: 2bw saves the previous weights too), fp32 masters (bf16, fp16) and the optimizer
+    state of its megalite.optimizer.kinds record; and the weights'."""
+    weights = PARAM_GRAD_BYTES[precision][0] * weight_versions
     masters = 0 if precision == "fp32" else FP32
     return weights + masters + optimizer_state_bytes(optimizer), weights
 
@@ -141,14 +143,16 @@ class Plan:
         state (its megalite.optimizer.kinds record's), split over the DP x CP ranks (experts
         over the expert-DP ranks)."""
         grid, s = self.layout.grid, self.stages[stage]
-        per_param, _ = checkpoint_bytes_per_param(self.precision, self.configs.optimizer)
+        per_param, _ = checkpoint_bytes_per_param(self.precision, self.configs.optimizer,
+                                                  self.layout.schedule.weight_versions)
         return checkpoint_shard_bytes(per_param, s.params - s.expert_params, s.expert_params,
                                       grid.dp * grid.cp, grid.ep)
 
     def save_host_bytes(self, async_save: bool) -> float:
         """Host memory a save adds on the rank of the largest shard (`save_host_bytes`)."""
         shard = max(self.checkpoint_bytes(stage) for stage in self.stages)
-        per_param, weights = checkpoint_bytes_per_param(self.precision, self.configs.optimizer)
+        per_param, weights = checkpoint_bytes_per_param(self.precision, self.configs.optimizer,
+                                                        self.layout.schedule.weight_versions)
         return save_host_bytes(shard, weights / per_param, async_save, True,
                                self.layout.cpu_offload)
 

@@ -56,7 +56,8 @@ def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Mo
                              layout.cpu_offload, stage - expert, expert,
                              gather, configs.optimizer))
     if configs.checkpoint.save:
-        per_param, weights = planner.checkpoint_bytes_per_param(precision, configs.optimizer)
+        per_param, weights = planner.checkpoint_bytes_per_param(
+            precision, configs.optimizer, layout.schedule.weight_versions)
         shard = planner.checkpoint_shard_bytes(per_param, stage - expert, expert, g.dp * g.cp,
                                                g.ep)
         extra = planner.save_host_bytes(shard, weights / per_param,
