@@ -87,7 +87,7 @@ class Run:
     model: list[torch.nn.Module]
     optimizer: Any
     scheduler: Any
-    logger: TrainingLogger
+    logger: TrainingLogger | None  # set by start_logging
     valid_batches: Iterator | None
     iteration: int = 0
     consumed: int = 0  # training samples over all DP ranks
