@@ -44,7 +44,6 @@ class MegaliteDataModule(pl.LightningDataModule):
         return StepBatches(self._train, self.module.run.layout.num_microbatches)
 
     def val_dataloader(self) -> list[int]:
-        """One batch per validation point; none when the run validates nowhere (no
-        --eval-interval and Trainer(val_check_interval) left at its default)."""
+        """One batch per validation point."""
         self._streams()
-        return [0] if self.module.validates else []
+        return [0]

@@ -56,12 +56,11 @@ class MegaliteModule(pl.LightningModule):
         self.layer_drop = LayerDrop.from_configs(configs)
         self.replica = 0 if shared_over_replicas(configs) else ps.get_data_parallel_rank()
         trainer = self.trainer
-        if trainer.val_check_interval == 1.0 and configs.train.eval_interval:
-            trainer.val_check_interval = configs.train.eval_interval  # the task's default
-
-    @property
-    def validates(self) -> bool:
-        return bool(self.configs.train.eval_interval) or self.trainer.val_check_interval != 1.0
+        if trainer.val_check_interval == 1.0:  # Lightning's default: the task's --eval-interval
+            if configs.train.eval_interval:
+                trainer.val_check_interval = configs.train.eval_interval
+            else:
+                trainer.limit_val_batches = 0  # a run that validates nowhere
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Lightning zeroes the module's grads before training and validating; megalite's
@@ -94,10 +93,10 @@ class MegaliteModule(pl.LightningModule):
             training_iteration, run, TimedIterator(iter(batch)), self.guard, self.layer_drop,
             self.replica))
         grad_norm = run.grad_norms[run.iteration]
-        self.log("loss", run.losses[run.iteration], prog_bar=True)
+        self.log_value("loss", run.losses[run.iteration], prog_bar=True)
         if grad_norm is not None:
-            self.log("grad_norm", grad_norm)
-        self.log("lr", run.scheduler.get_lr())
+            self.log_value("grad_norm", grad_norm)
+        self.log_value("lr", run.scheduler.get_lr())
         if run.iteration >= self.configs.train.train_iters:
             self.trainer.should_stop = True
 
@@ -108,8 +107,12 @@ class MegaliteModule(pl.LightningModule):
         with torch.inference_mode(False):
             loss = validate(self.run)
         if loss is not None:
-            self.log("valid_loss", loss)
+            self.log_value("valid_loss", loss)
         self.log_validation()
+
+    def log_value(self, name: str, value: float, prog_bar: bool = False) -> None:
+        """Log a value that is the same on every rank (a step's: the global batch's)."""
+        self.log(name, value, prog_bar=prog_bar, batch_size=self.run.layout.global_batch_size)
 
     def log_validation(self) -> None:
         """What a task adds to a validation point's log (subclasses)."""

@@ -90,8 +90,7 @@ class MegaliteStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         """Join the world, then check the flags and build the grid of the module's layout."""
         super().setup_environment()
-        if not isinstance(self.precision_plugin, Precision) or \
-                type(self.precision_plugin) is not Precision:
+        if type(self.precision_plugin) is not Precision:
             raise ValueError(f"Trainer(precision=...): {type(self.precision_plugin).__name__} "
                              f"is not used by megalite; pass --bf16 / --fp16 in the module's "
                              f"flags and leave the Trainer at precision='32-true'")

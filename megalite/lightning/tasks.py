@@ -35,4 +35,4 @@ class BertClassificationModule(MegaliteModule):
 
     def log_validation(self) -> None:
         correct, total = self.task.counts[-1]
-        self.log("valid_accuracy", correct / total)
+        self.log_value("valid_accuracy", correct / total)
