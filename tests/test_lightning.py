@@ -39,7 +39,8 @@ def _fit(module, strategy, root: str, max_steps: int = -1, **trainer_kwargs):
 def _gpt_curves(prefix: str, root: str) -> dict:
     """8 ranks: pretrain_gpt for 4 steps; Lightning for 2 with a ModelCheckpoint; pretrain_gpt
     --load of that checkpoint at TP2 x DP4 for steps 3-4."""
-    from megalite.lightning import GPTModule, MegaliteStrategy
+    from megalite.lightning import MegaliteStrategy
+    from megalite.tasks.lightning import GPTModule
     layout = ["--tp", "2", "--pp", "2", "--dp", "2"]
     reference = train_with_grad_norms(tiny_args(prefix, f"{root}/ref", 4, *NO_DROPOUT,
                                                 *layout))
@@ -59,7 +60,8 @@ def _gpt_curves(prefix: str, root: str) -> dict:
 
 
 def _zero3_curves(prefix: str, root: str) -> dict:
-    from megalite.lightning import GPTModule, MegaliteStrategy
+    from megalite.lightning import MegaliteStrategy
+    from megalite.tasks.lightning import GPTModule
     reference = train_with_grad_norms(tiny_args(prefix, f"{root}/ref3", 2, *ZERO3))
     ps.destroy_model_parallel()
     run = _fit(GPTModule(tiny_args(prefix, f"{root}/unused3", 2)),
@@ -99,7 +101,8 @@ def test_gpt_under_lightning_with_zero3_follows_pretrain_gpt(tmp_path):
 
 
 def _bert_runs(task_dir: str, root: str) -> dict:
-    from megalite.lightning import BertClassificationModule, MegaliteStrategy
+    from megalite.lightning import MegaliteStrategy
+    from megalite.tasks.lightning import BertClassificationModule
     from megalite.tasks import bert
     flags = task_args(task_dir, "--epochs", "2")
     reference = bert.run([*flags, "--tp", "2", "--save", f"{root}/bert_ref", "--export-dir",

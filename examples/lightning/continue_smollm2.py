@@ -16,7 +16,8 @@ import importlib.util
 
 import pytorch_lightning as pl
 
-from megalite.lightning import GPTModule, MegaliteStrategy
+from megalite.lightning import MegaliteStrategy
+from megalite.tasks.lightning import GPTModule
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ import importlib.util
 
 import pytorch_lightning as pl
 
-from megalite.lightning import BertClassificationModule, MegaliteStrategy
+from megalite.lightning import MegaliteStrategy
+from megalite.tasks.lightning import BertClassificationModule
 
 
 def logger(save_dir: str):

@@ -1,5 +1,7 @@
-"""megalite's tasks as LightningModules, each from its entry script's flags (the same flags,
-parsed the same way, minus --save/--load defaults: see module.lightning_configs).
+"""megalite's tasks as LightningModules for megalite.lightning's MegaliteStrategy, each from its
+entry script's flags (the same flags, parsed the same way, minus the --save/--load defaults:
+see megalite.lightning.module.lightning_configs). Not imported by megalite.tasks itself, so
+the entry scripts need no Lightning.
 
 - GPTModule: pretrain_gpt.py (pretraining, or continuing a checkpoint given with --load);
 - ChatSFTModule: finetune_gpt.py (chat SFT);
