@@ -18,8 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning_fabric.plugins import ClusterEnvironment
+from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from megalite import checkpoint, device
 from megalite.config import Configs, parse_configs
@@ -83,6 +85,11 @@ class MegaliteStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """megalite's tasks sample per DP rank themselves; Lightning must not add a sampler."""
         return {"num_replicas": 1, "rank": 0}
+
+    def set_world_ranks(self) -> None:
+        """Tell Lightning's rank-zero-only writers (loggers, prints) this process's rank: the
+        world's, which its variables may not name (a process group joined before)."""
+        rank_zero_only.rank = utilities_rank_zero_only.rank = self.global_rank
 
     def _configure_launcher(self) -> None:
         self._launcher = None  # ranks are started outside the Trainer (environment.py)
