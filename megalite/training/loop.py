@@ -162,6 +162,25 @@ def train(configs: Configs, task: Task) -> TrainResult:
     after the same step, with a checkpoint when --save is given. A run that cannot start (bad
     flags, files or data) raises StartError with one line, the same on every rank.
     """
+    layout = start_parallel(configs, task)
+    run = start_run(configs, task, layout)
+    train_batches, run.valid_batches = task.batches(configs, layout, run.consumed)
+    start_logging(run)
+    try:
+        task.start(run)
+        _train_loop(run, TimedIterator(train_batches))
+        run.finish_saves()
+        if run.iteration >= configs.train.train_iters:
+            task.finish(run)
+    finally:
+        run.logger.close()
+    return TrainResult(run.model, run.losses, run.grad_norms)
+
+
+
+def start_parallel(configs: Configs, task: Task) -> RunLayout:
+    """Check the flags, outputs and the task's inputs, then build the process grid of the
+    run's layout (StartError: one line, the same on every rank)."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     try:
         checks.check_start(configs, task.output_dirs(configs))  # outputs writable, --split
@@ -171,6 +190,13 @@ def train(configs: Configs, task: Task) -> TrainResult:
     except (ValueError, OSError) as error:
         raise StartError(str(error)) from None
     setup_parallel(configs, layout)
+    return layout
+
+
+
+def start_run(configs: Configs, task: Task, layout: RunLayout) -> Run:
+    """On the process grid: the task's model chunks (wrapped for DP), optimizer and scheduler,
+    resumed from --load when given; the Run has no logger or validation batches yet."""
     ckpt = configs.checkpoint
     try:
         task.prepare(configs)
@@ -194,7 +220,14 @@ def train(configs: Configs, task: Task) -> TrainResult:
         warning = device.reduced_precision_warning(configs.precision.params_dtype)
         if warning:
             log(warning)
-    train_batches, valid_batches = task.batches(configs, layout, consumed)
+    return Run(configs, layout, task, model, optimizer, scheduler, None, None, iteration,
+               consumed, in_flight=in_flight)
+
+
+
+def start_logging(run: Run) -> None:
+    """Log the model, layout, model state and pipeline; give the run its TrainingLogger."""
+    configs, layout, model = run.configs, run.layout, run.model
     n_params = sum(p.numel() for c in model for p in c.parameters())
     log(f"model: {configs.model.num_layers} layers, hidden {configs.model.hidden_size}, "
         f"{n_params:,} parameters on rank 0 | {layout.describe()} | global batch "
@@ -203,40 +236,58 @@ def train(configs: Configs, task: Task) -> TrainResult:
     log_model_state(configs, layout, model)
     log(describe_optimizer(configs, model))
     log_pipeline(configs, layout)
-    logger = TrainingLogger(configs, layout, model, task.loss_key, task.flops(configs, layout))
-    run = Run(configs, layout, task, model, optimizer, scheduler, logger, valid_batches,
-              iteration, consumed)
-    try:
-        task.start(run)
-        _train_loop(run, TimedIterator(train_batches), in_flight)
-        run.finish_saves()
-        if run.iteration >= configs.train.train_iters:
-            task.finish(run)
-    finally:
-        logger.close()
-    return TrainResult(model, run.losses, run.grad_norms)
+    run.logger = TrainingLogger(configs, layout, model, run.task.loss_key,
+                                run.task.flops(configs, layout))
 
 
 
-def _validate(run: Run) -> None:
+def validate(run: Run) -> float | None:
     """The mean validation `loss_key` over --eval-iters steps (when the task has validation
-    batches), then the task's own validation."""
+    batches; returned, else None), then the task's own validation."""
+    loss = None
     if run.valid_batches is not None:
         t, layout, task = run.configs.train, run.layout, run.task
         total = evaluate(task.forward_step, run.valid_batches, run.model, run.configs,
                          layout)[task.loss_key]
-        run.logger.validation(run.iteration, total / (
-            t.eval_iters * layout.num_microbatches * layout.data_parallel_size))
+        loss = total / (t.eval_iters * layout.num_microbatches * layout.data_parallel_size)
+        run.logger.validation(run.iteration, loss)
     run.task.validate(run)
+    return loss
 
 
 
-def _train_loop(run: Run, train_batches: TimedIterator, in_flight: InFlight | None) -> None:
+def training_iteration(run: Run, batches: TimedIterator, guard: SkipGuard,
+                       layer_drop: LayerDrop | None = None, replica: int = 0,
+                       signals: ExitSignalHandler | None = None) -> bool:
+    """One iteration of `run` over the next step's microbatches from `batches`: the step
+    (skipped on NaN/Inf), its loss and grad norm recorded, the schedule advanced, the log
+    line, the skip guard updated (NonFiniteError after too many). Returns whether it stepped.
+    With 2bw the step runs with `run.in_flight` (its `drain` set by the caller)."""
+    layout, task = run.layout, run.task
+    if layer_drop is not None:
+        start_layer_drop(run.model, layer_drop, replica, run.iteration)
+    loss, stepped, grad_norm = train_step(
+        inject_faults(task.forward_step, run.iteration + 1), batches, run.model,
+        run.optimizer, layout, task.loss_key, signals, run.in_flight)
+    run.iteration += 1
+    iteration = run.iteration
+    run.losses[iteration], run.grad_norms[iteration] = loss, grad_norm
+    run.consumed += layout.global_batch_size
+    if stepped:  # a skipped (overflowing / non-finite) step does not advance the schedule
+        run.scheduler.step()
+    run.logger.step(iteration, loss, stepped, grad_norm, run.scheduler.get_lr(),
+                    run.optimizer.loss_scale, data_seconds=batches.take())
+    guard.update(iteration, stepped, run.optimizer.scaler)
+    return stepped
+
+
+
+def _train_loop(run: Run, train_batches: TimedIterator) -> None:
     """Steps from run.iteration to --train-iters (or an exit): validate every --eval-interval
     steps, save every --save-interval applied steps, at an exit and at the end. With 2bw
-    (`in_flight`) the pipeline drains at the steps before those, and SIGTERM, known after a
-    step, ends the run one (draining) step later."""
-    configs, layout, task = run.configs, run.layout, run.task
+    (`run.in_flight`) the pipeline drains at the steps before those, and SIGTERM, known after
+    a step, ends the run one (draining) step later."""
+    configs, in_flight = run.configs, run.in_flight
     t, ckpt = configs.train, configs.checkpoint
     save_interval = ckpt.save_interval or default_save_interval(t.train_iters)
     guard, save_due = SkipGuard(t.max_skipped_steps), False
@@ -244,26 +295,15 @@ def _train_loop(run: Run, train_batches: TimedIterator, in_flight: InFlight | No
     replica = 0 if shared_over_replicas(configs) else ps.get_data_parallel_rank()
     with ExitSignalHandler(t.exit_signal_handler) as signals:
         while run.iteration < t.train_iters:
-            if layer_drop is not None:
-                start_layer_drop(run.model, layer_drop, replica, run.iteration)
             if in_flight is not None:
                 in_flight.drain = _drains(run.iteration + 1, t, ckpt.save and save_interval,
                                           save_due, signals.stop_requested)
-            loss, stepped, grad_norm = train_step(
-                inject_faults(task.forward_step, run.iteration + 1), train_batches, run.model,
-                run.optimizer, layout, task.loss_key, signals, in_flight)
-            run.iteration += 1
+            stepped = training_iteration(run, train_batches, guard, layer_drop, replica,
+                                         signals)
             iteration = run.iteration
-            run.losses[iteration], run.grad_norms[iteration] = loss, grad_norm
-            run.consumed += layout.global_batch_size
-            if stepped:  # a skipped (overflowing / non-finite) step does not advance the schedule
-                run.scheduler.step()
-            run.logger.step(iteration, loss, stepped, grad_norm, run.scheduler.get_lr(),
-                            run.optimizer.loss_scale, data_seconds=train_batches.take())
-            guard.update(iteration, stepped, run.optimizer.scaler)
             if t.eval_interval and (iteration % t.eval_interval == 0 or
                                     iteration == t.train_iters):
-                _validate(run)
+                validate(run)
             signalled = signals.stop_requested and not (in_flight and in_flight.running)
             exiting = signalled or bool(t.exit_interval) and iteration % t.exit_interval == 0
             # an interval save waits for an applied step; the last one happens regardless

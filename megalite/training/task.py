@@ -87,7 +87,7 @@ class Run:
     model: list[torch.nn.Module]
     optimizer: Any
     scheduler: Any
-    logger: TrainingLogger
+    logger: TrainingLogger | None  # set by start_logging
     valid_batches: Iterator | None
     iteration: int = 0
     consumed: int = 0  # training samples over all DP ranks
@@ -95,6 +95,7 @@ class Run:
     grad_norms: dict[int, float | None] = field(default_factory=dict)  # None: step skipped
     saved_at: int | None = None
     pending_save: Any = None  # checkpoint.PendingSave of an --async-save in flight
+    in_flight: Any = None  # 2bw: the executor's InFlight carried between steps (else None)
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer | None:
