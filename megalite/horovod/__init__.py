@@ -1,6 +1,6 @@
 """Horovod's PyTorch API on torch.distributed: change `import horovod.torch as hvd` to
 `import megalite.horovod as hvd` and the script runs unchanged, started by torchrun, srun or
-tools/horovodrun. See docs/horovod_section.md for what maps to what and what is refused.
+tools/horovodrun. See docs/lightning_horovod.md for what maps to what and what is refused.
 """
 from megalite.horovod.basics import (cross_rank, cross_size, cuda_built, gloo_built,
                                      gloo_enabled, init, is_homogeneous, is_initialized,

@@ -6,7 +6,7 @@ past HOROVOD_FUSION_THRESHOLD bytes (default 64 MiB, Horovod's; 0 sends every te
 when a tensor of another kind arrives, or when a waiting handle is synchronized or polled. A
 tensor larger than the threshold goes alone. Every rank packs the same tensors into the same
 collectives because the packing depends only on the order of submission, which is the same on
-every rank (Horovod negotiates by name in timed cycles instead; see docs/horovod_section.md).
+every rank (Horovod negotiates by name in timed cycles instead; see docs/lightning_horovod.md).
 
 `count_collectives()` records each data collective: its kind, how many tensors it carried,
 and its payload bytes.
