@@ -10,8 +10,9 @@ Lightning hook -> megalite (per rank; every collective is over the world unless 
   the pipeline schedule, grad reduction, clipping, the optimizer: manual optimization);
 - save_checkpoint / load_checkpoint: megalite's distributed checkpoint in the directory
   Lightning names (`epoch=0-step=2.ckpt/`), loadable by pretrain_gpt.py --load under any
-  layout; Lightning's own state (loops, callbacks) beside it in `lightning_state.pt`.
+  layout; Lightning's own state (loops, callbacks) beside it in `lightning_state.json`.
 """
+import json
 import os
 from typing import Any
 
@@ -28,7 +29,7 @@ from megalite.config import Configs, parse_configs
 from megalite.training.loop import start_parallel, start_run, start_logging
 from megalite.lightning.environment import detect_environment
 
-LIGHTNING_STATE = "lightning_state.pt"  # Lightning's loops and callbacks, beside megalite's files
+LIGHTNING_STATE = "lightning_state.json"  # Lightning's loops and callbacks, beside megalite's files
 # MegaliteStrategy keyword -> ParallelConfig field
 PARALLEL_KEYWORDS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
                      "vpp": "virtual_pipeline_model_parallel_size", "cp": "context_parallel_size",
@@ -184,7 +185,7 @@ class MegaliteStrategy(ParallelStrategy):
         if self.is_global_zero:
             state = {k: v for k, v in checkpoint_state.items()
                      if k not in ("state_dict", "optimizer_states")}
-            torch.save(state, os.path.join(str(filepath), LIGHTNING_STATE))
+            write_json_state(state, os.path.join(str(filepath), LIGHTNING_STATE))
 
     def load_checkpoint(self, checkpoint_path: str, weights_only: bool | None = None
                         ) -> dict[str, Any]:
@@ -203,7 +204,7 @@ class MegaliteStrategy(ParallelStrategy):
         if not os.path.exists(state_file):
             raise ValueError(f"ckpt_path {path}: a megalite checkpoint without Lightning's "
                              f"state; start from it with the module's --load flag instead")
-        return {**torch.load(state_file, weights_only=False), "state_dict": {}}
+        return {**read_json_state(state_file), "state_dict": {}}
 
     def load_model_state_dict(self, checkpoint_state: Any, strict: bool = True) -> None:
         pass  # loaded by load_checkpoint
@@ -216,3 +217,29 @@ class MegaliteStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+def _encode(value: Any) -> Any:
+    """json.dump's hook: a tensor as its values and dtype (callbacks keep scores as tensors)."""
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    raise TypeError(f"Lightning's checkpoint state holds a {type(value).__name__}, which "
+                    f"{LIGHTNING_STATE} (JSON: no pickle in megalite checkpoints) cannot store")
+
+
+def _decode(entry: dict) -> Any:
+    if "__tensor__" in entry:
+        return torch.tensor(entry["__tensor__"], dtype=getattr(torch, entry["dtype"]))
+    return entry
+
+
+def write_json_state(state: dict, path: str) -> None:
+    """Lightning's state (loops, callbacks, epoch, step) as JSON, tensors included."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(state, f, default=_encode)
+    os.replace(path + ".tmp", path)
+
+
+def read_json_state(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f, object_hook=_decode)
