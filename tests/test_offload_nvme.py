@@ -186,3 +186,67 @@ def test_the_tier_needs_a_sharded_strategy():
         RunLayout.from_configs(configs, 2)
     assert str(error.value).startswith(
         "--optimizer-offload-device nvme needs a sharded --data-parallel-sharding-strategy")
+
+
+RSS_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+             "--vocab-size", "4096", "--seq-length", "16", "--max-position-embeddings", "16",
+             "--micro-batch-size", "1", "--use-distributed-optimizer", "--hidden-dropout", "0",
+             "--attention-dropout", "0"]  # 4.2M parameters in 4 layers' matrices, 1M embedding
+RSS_SLACK = 8 * 2 ** 20  # allocator and per-sub-group transients
+RSS_SUB_GROUP = 2 ** 18  # as large as the largest matrix of a layer
+
+
+def _peak_rss(argv: list[str]) -> dict:
+    """In a fresh 1-rank pool: the resident-set high-water mark's rise (VmHWM, reset through
+    /proc/self/clear_refs) over building the model and optimizer and two train steps, and
+    the tier's file and buffer bytes."""
+    import functools
+
+    import torch
+
+    from megalite.config import parse_configs
+    from megalite.layout import RunLayout
+    from megalite.optimizer import get_optimizer
+    from megalite.training.loop import train_step
+    from megalite.training.setup import build_model, setup_parallel
+
+    def kib(field: str) -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(field))
+    warm = torch.nn.Parameter(torch.zeros(4))  # torch's one-time optimizer imports
+    warm.grad = torch.zeros(4)
+    torch.optim.AdamW([warm]).step()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    start = kib("VmRSS:")
+    configs = parse_configs(argv)
+    layout = RunLayout.from_configs(configs, 1)
+    setup_parallel(configs, layout)
+    model = build_model(configs, functools.partial(pretrain_gpt.model_provider, configs))
+    optimizer, _ = get_optimizer(configs.optimizer, configs.precision, model, 10)
+    tokens = torch.randint(0, configs.model.vocab_size, (1, configs.train.seq_length + 1),
+                           generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]), model, optimizer,
+                   layout)
+    tier = optimizer.tier
+    return {"rss": (kib("VmHWM:") - start) * 1024,
+            "file": tier.file_bytes if tier else 0,
+            "params": sum(f.grad.numel() for f in optimizer.fragments),
+            "buffers": sum(b.numel() * b.element_size() for b in tier.buffers) if tier else 0}
+
+
+def test_nvme_tier_peak_rss_is_below_the_cpu_tiers(tmp_path):
+    """Fresh processes, one per tier (fp32, ZeRO-1, 1 rank): the nvme tier's peak RSS is below
+    the cpu tier's by at least what the planner says the cpu tier holds on the host (fp32
+    master, m, v: 12 bytes per parameter) less the nvme tier's buffers, less RSS_SLACK."""
+    from megalite.distributed.rank_pool import run_once
+    from megalite.planning.state_bytes import state_bytes_per_param, tier_host_bytes
+    cpu = run_once(1, _peak_rss, RSS_MODEL + ["--optimizer-offload-device", "cpu"])[0]
+    nvme = run_once(1, _peak_rss, RSS_MODEL + _nvme(str(tmp_path))[:-1] + [str(RSS_SUB_GROUP)])[0]
+    assert nvme["buffers"] == tier_host_bytes(RSS_SUB_GROUP)
+    cpu_host = state_bytes_per_param("fp32", "optim", 1, offload=True).host * nvme["params"]
+    margin = cpu_host - nvme["buffers"] - RSS_SLACK
+    print(f"peak RSS: cpu tier {cpu['rss'] / 2**20:.1f} MiB, nvme {nvme['rss'] / 2**20:.1f} MiB,"
+          f" asserted margin {margin / 2**20:.1f} MiB")
+    assert cpu["rss"] - nvme["rss"] >= margin, (cpu, nvme, margin)
