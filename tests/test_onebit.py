@@ -370,6 +370,7 @@ def test_resume_in_the_compressed_stage_is_bitwise_exact(tmp_path, name):
     ([], 1, "needs DP x CP >= 2"),
     (["--clip-grad", "1.0"], 2, "pass --clip-grad 0"),
     (["--fp16"], 2, "cannot go with --fp16"),
+    (["--tp", "2"], 4, "replicated params"),
 ])
 @pytest.mark.parametrize("name", ("onebit_adam", "onebit_lamb"))
 def test_bad_combinations_are_one_line_before_any_process_group(argv, world, expected, name):
