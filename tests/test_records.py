@@ -66,7 +66,7 @@ def test_every_optimizer_record_runs_and_another_name_is_one_line(monkeypatch, t
         pretrain_gpt.main(["--optimizer", "lamb"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: --optimizer must be one of adam, sgd, muon, onebit_adam (got 'lamb')"]
+        "error: --optimizer must be one of adam, sgd, muon, onebit_adam, onebit_lamb (got 'lamb')"]
 
 
 @pytest.mark.parametrize("n", (1, 4))

@@ -99,9 +99,19 @@ class OptimizerConfig(Section):
     muon_fp32_matmul_prec: str = arg("medium", "Muon: Newton-Schulz matmuls in bf16 (medium, "
                                      "torch.optim.Muon's) or fp32 (high, highest)",
                                      choices=("medium", "high", "highest"))
-    freeze_step: int = arg(100, "onebit_adam: AdamW warm-up steps before the variance freezes "
-                           "and the momentum travels 1-bit compressed (DeepSpeed's name; "
-                           "its papers warm up for 15 to 25 percent of the run)", min=1)
+    freeze_step: int = arg(100, "onebit_adam, onebit_lamb: AdamW / LAMB warm-up steps before "
+                           "the variance freezes and the momentum travels 1-bit compressed "
+                           "(DeepSpeed's name; its papers warm up for 15 to 25 percent of the "
+                           "run)", min=1)
+    max_coeff: float = arg(10.0, "onebit_lamb: upper clamp of LAMB's trust ratio", above=0.0)
+    min_coeff: float = arg(0.01, "onebit_lamb: lower clamp of LAMB's trust ratio", above=0.0)
+    coeff_beta: float = arg(0.9, "onebit_lamb: EMA factor of the warm-up trust ratios, frozen "
+                            "for the compressed stage", min=0.0, below=1.0)
+    factor_max: float = arg(4.0, "onebit_lamb: upper clamp of the compressed stage's "
+                            "variance-ratio factor", above=0.0)
+    factor_min: float = arg(0.5, "onebit_lamb: lower clamp of that factor", above=0.0)
+    factor_threshold: float = arg(0.1, "onebit_lamb: largest relative change of that factor "
+                                  "from one step to the next", min=0.0)
     clip_grad: float = arg(1.0, "clip the global grad L2 norm to this (0: off)", min=0.0)
     use_distributed_optimizer: bool = arg(
         False, "shard optimizer state over DP (ZeRO-1): --data-parallel-sharding-strategy optim")

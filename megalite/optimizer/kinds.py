@@ -27,6 +27,7 @@ from megalite.distributed.reducers import ReducerFactory, default_reducer
 from megalite.optimizer import muon
 from megalite.optimizer.onebit import (MomentumReducer, build_onebit_adam, check_onebit_run,
                                        momentum_reducer_settings)
+from megalite.optimizer.onebit_lamb import OnebitLamb, build_onebit_lamb
 
 FP32_BYTES = 4  # optimizer state is kept in fp32, like the masters it steps
 
@@ -134,7 +135,15 @@ ONEBIT_ADAM = OptimizerKind("onebit_adam", build_onebit_adam,
                             reducer=MomentumReducer, reducer_settings=momentum_reducer_settings,
                             check_run=check_onebit_run,
                             reducer_bytes=lambda n: FP32_BYTES * (2 + 1 / n))
-OPTIMIZER_KINDS = (ADAM, SGD, MUON, ONEBIT_ADAM)
+# LAMB's trust ratio needs whole weights: `attach` tells it where each weight's pieces are
+ONEBIT_LAMB = OptimizerKind("onebit_lamb", build_onebit_lamb,
+                            lambda config: ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"),
+                            scalar_keys=("step", "coeff_freeze", "last_factor"),
+                            attach=OnebitLamb.attach, reducer=MomentumReducer,
+                            reducer_settings=momentum_reducer_settings,
+                            check_run=check_onebit_run,
+                            reducer_bytes=lambda n: FP32_BYTES * (2 + 1 / n))
+OPTIMIZER_KINDS = (ADAM, SGD, MUON, ONEBIT_ADAM, ONEBIT_LAMB)
 
 
 def optimizer_kind(name: str) -> OptimizerKind:
