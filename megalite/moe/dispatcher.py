@@ -22,6 +22,15 @@ from megalite.moe.router import tokens_per_expert
 from megalite.mpu import comm
 
 
+def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group
+              ) -> torch.Tensor:
+    """All-to-all of rows over `group` (autograd: backward swaps the splits); on a group of
+    one rank, x itself (no copy forward or backward)."""
+    if comm.world_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, group):
@@ -42,7 +51,8 @@ class DispatchPlan:
     token_index [N]: source token of each kept (token, choice), sorted by expert;
     weights [N]: their router weights; send_splits / recv_splits: rows per EP rank (host
     lists, as all-to-all takes them); regroup [M]: received rows (ordered by source rank,
-    then local expert) reordered by local expert, then source rank; tokens_per_local_expert:
+    then local expert) reordered by local expert, then source rank (None where that order is
+    already by local expert: one source or one local expert); tokens_per_local_expert:
     rows each local expert gets (host list); tokens_per_expert [E]: kept choices per global
     expert from this rank; dropped []: choices over capacity; gather_splits: rows each rank of
     the gather group received over EP (host list; None without one). Tensors stay on the
@@ -53,7 +63,7 @@ class DispatchPlan:
     weights: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
-    regroup: torch.Tensor
+    regroup: torch.Tensor | None
     tokens_per_local_expert: list[int]
     tokens_per_expert: torch.Tensor
     dropped: torch.Tensor
@@ -101,7 +111,8 @@ def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int
         weights=weights.reshape(-1)[order],
         send_splits=send_splits,
         recv_splits=[sum(row) for row in recv[me * ep:(me + 1) * ep]],
-        regroup=_regroup(all_counts, sources, local, sum(received)),
+        regroup=None if sources == 1 or local == 1 else
+        _regroup(all_counts, sources, local, sum(received)),
         tokens_per_local_expert=[sum(column) for column in zip(*recv)],
         tokens_per_expert=kept, dropped=(counts - kept).sum(),
         gather_splits=None if gather is None else
@@ -133,12 +144,12 @@ def dispatch(x: torch.Tensor, plan: DispatchPlan, group=None, gather=None) -> to
     """Tokens [T, h] -> rows for the local experts [M, h], grouped by local expert (with a
     `gather` group: the rows of all its ranks)."""
     permuted = x.index_select(0, plan.token_index)
-    received = _AllToAll.apply(permuted, plan.recv_splits, plan.send_splits, group)
+    received = _exchange(permuted, plan.recv_splits, plan.send_splits, group)
     if gather is not None:  # all-gather of variable sizes; backward sums the copies' grads
         mine = [received.shape[0]] * len(plan.gather_splits)
-        received = _AllToAll.apply(received.repeat(len(mine), 1), plan.gather_splits, mine,
+        received = _exchange(received.repeat(len(mine), 1), plan.gather_splits, mine,
                                    gather)
-    return received.index_select(0, plan.regroup)
+    return received if plan.regroup is None else received.index_select(0, plan.regroup)
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int, group=None, gather=None
@@ -146,13 +157,14 @@ def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int, group=None, ga
     """Expert outputs [M, h] (as `dispatch` grouped them; partial sums over the `gather`
     group when given) -> [T, h]: sum over each token's kept choices of router weight x expert
     output."""
-    ungrouped = torch.empty_like(y).index_copy(0, plan.regroup, y)
+    ungrouped = y if plan.regroup is None else \
+        torch.empty_like(y).index_copy(0, plan.regroup, y)
     if gather is not None:  # reduce-scatter of variable sizes
         mine = sum(plan.recv_splits)
-        ungrouped = _AllToAll.apply(ungrouped, [mine] * len(plan.gather_splits),
+        ungrouped = _exchange(ungrouped, [mine] * len(plan.gather_splits),
                                     plan.gather_splits, gather)
         ungrouped = ungrouped.view(len(plan.gather_splits), mine, y.shape[-1]).sum(0)
-    returned = _AllToAll.apply(ungrouped, plan.send_splits, plan.recv_splits, group)
+    returned = _exchange(ungrouped, plan.send_splits, plan.recv_splits, group)
     weighted = returned * plan.weights.to(returned.dtype).unsqueeze(-1)
     out = weighted.new_zeros((num_tokens, y.shape[-1]))
     return out.index_add(0, plan.token_index, weighted)

@@ -28,7 +28,9 @@ def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax
     """
     logits = logits.float()
     scores = logits.softmax(-1) if score_function == "softmax" else logits.sigmoid()
-    choice = scores if expert_bias is None else scores + expert_bias
+    choice = scores.detach()  # selection only: no autograd graph
+    if expert_bias is not None:
+        choice = choice + expert_bias
     if num_groups is not None:
         choice = _keep_best_groups(choice, num_groups, group_topk)
     order = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :topk]
