@@ -205,6 +205,7 @@ def _peak_rss(argv: list[str]) -> dict:
     import torch
 
     from megalite.config import parse_configs
+    from megalite.device import current_device
     from megalite.layout import RunLayout
     from megalite.optimizer import get_optimizer
     from megalite.training.loop import train_step
@@ -213,8 +214,8 @@ def _peak_rss(argv: list[str]) -> dict:
     def kib(field: str) -> int:
         with open("/proc/self/status") as status:
             return next(int(line.split()[1]) for line in status if line.startswith(field))
-    warm = torch.nn.Parameter(torch.zeros(4))  # torch's one-time optimizer imports
-    warm.grad = torch.zeros(4)
+    warm = torch.nn.Parameter(torch.zeros(4, device="cpu"))  # torch's one-time optimizer imports
+    warm.grad = torch.zeros(4, device="cpu")
     torch.optim.AdamW([warm]).step()
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")
@@ -225,7 +226,7 @@ def _peak_rss(argv: list[str]) -> dict:
     model = build_model(configs, functools.partial(pretrain_gpt.model_provider, configs))
     optimizer, _ = get_optimizer(configs.optimizer, configs.precision, model, 10)
     tokens = torch.randint(0, configs.model.vocab_size, (1, configs.train.seq_length + 1),
-                           generator=torch.Generator().manual_seed(0))
+                           generator=torch.Generator().manual_seed(0)).to(current_device())
     for _ in range(2):
         train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]), model, optimizer,
                    layout)

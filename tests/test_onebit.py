@@ -30,7 +30,8 @@ N, STEPS = 1000, 3  # elements per rank (not a multiple of 8 x DP: padding exerc
 
 
 def inputs(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(N, generator=torch.Generator().manual_seed(100 * step + rank))
+    return torch.randn(N, generator=torch.Generator().manual_seed(100 * step + rank),
+                       device="cpu")
 
 
 def reference_compress(rows: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,7 @@ def reference_allreduce(xs: list[torch.Tensor], worker: list[torch.Tensor],
     c = math.ceil(n / (8 * w)) * 8
     sent = []
     for r, x in enumerate(xs):
-        padded = torch.zeros(w * c)
+        padded = torch.zeros(w * c, device="cpu")
         padded[:n] = x
         padded += worker[r]
         approx = reference_compress(padded.view(w, c)).view(-1)
@@ -62,17 +63,18 @@ def reference_allreduce(xs: list[torch.Tensor], worker: list[torch.Tensor],
 
 
 def _compressed_steps() -> dict:
+    from megalite.device import current_device
     from megalite.distributed.compressed import CompressedAllReduce, pack_signs
     from megalite.mpu import comm
-    rank, world = dist.get_rank(), dist.get_world_size()
-    reducer, outputs, counted = CompressedAllReduce(N, world, torch.device("cpu")), [], []
+    rank, world, device = dist.get_rank(), dist.get_world_size(), current_device()
+    reducer, outputs, counted = CompressedAllReduce(N, world, device=device), [], []
     for step in range(STEPS):
-        x = inputs(step, rank)
+        x = inputs(step, rank).to(device)
         with comm.count_bytes() as moved:
             reducer(x, dist.group.WORLD)
-        outputs.append(x)
+        outputs.append(x.cpu())
         counted.append(sum(moved.values()))
-    packed = pack_signs(torch.randn(64))
+    packed = pack_signs(torch.randn(64, device=device))
     return {"outputs": outputs, "counted": counted, "bytes_sent": reducer.bytes_sent(),
             "packed": (packed.dtype, packed.numel())}
 
@@ -131,13 +133,16 @@ class BucketReference:
                                        lr=LR, betas=BETAS, eps=EPS, foreach=False)
         n, self.p = bucket.end - bucket.start, None
         c = math.ceil(n / (8 * world)) * 8
-        self.worker, self.server = [torch.zeros(world * c)] * world, [torch.zeros(c)] * world
-        self.wd, self.real = torch.zeros(n), torch.zeros(n, dtype=torch.bool)  # real: no padding
+        d = self.device = self.copies[0].device
+        self.worker = [torch.zeros(world * c, device=d)] * world
+        self.server = [torch.zeros(c, device=d)] * world
+        self.wd = torch.zeros(n, device=d)
+        self.real = torch.zeros(n, dtype=torch.bool, device=d)  # real: no padding
         for p, a, b in self.spans:
             self.wd[a:b], self.real[a:b] = (WD if p.ndim > 1 else 0.0), True
 
     def flat(self, key: str) -> torch.Tensor:
-        out = torch.zeros(self.bucket.end - self.bucket.start)
+        out = torch.zeros(self.bucket.end - self.bucket.start, device=self.device)
         for (_, a, b), c in zip(self.spans, self.copies):
             out[a:b] = self.adamw.state[c][key] if key else c
         return out
@@ -267,7 +272,8 @@ def _onebit_layout(sharded: bool, name: str = "onebit_adam", tp: int = 2) -> dic
     gen = torch.Generator().manual_seed(5)
     warmup_diff, momentum_err, update_err = 0.0, 0.0, 0.0
     for step in range(1, TRAIN_STEPS + 1):
-        rows = torch.randint(0, 96, (dp * 4, 17), generator=gen).split(4)[dp_rank]
+        rows = torch.randint(0, 96, (dp * 4, 17), generator=gen).to(current_device()).split(
+            4)[dp_rank]
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
