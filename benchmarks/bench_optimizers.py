@@ -82,6 +82,7 @@ def main() -> None:
                 "--seed", str(args.seed), "--log-interval", str(args.train_iters),
                 "--eval-interval", str(max(1, args.train_iters // 12)), "--eval-iters", "8",
                 "--hidden-dropout", "0", "--attention-dropout", "0",
+                "--clip-grad", "0",  # every run alike: the 1-bit family has no global grad norm
                 "--data-cache-dir", f"{root}/cache"]
         for name in names:
             flags = base + ["--optimizer", name, "--save", f"{root}/{name}",
