@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common import benchmark_parser, machine_line, turn_order
+from common import benchmark_parser, machine_line, plot_curves, turn_order
 
 SCHEDULES = ("1f1b", "zb-h1", "2bw")
 LOSS = re.compile(r"iteration\s+(\d+)/.*?lm loss ([0-9.E+-]+)")
@@ -160,17 +160,10 @@ def main() -> None:
           f"{curves['2bw'][1]:.4f}")
     print(machine_line())
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        for name, curve in curves.items():
-            plt.plot(list(curve), list(curve.values()), label=name, linewidth=0.8)
-        plt.xlabel("iteration")
-        plt.ylabel("training lm loss")
-        plt.title("PP4, m = 4: 2bw (one-step-delayed update) vs 1f1b")
-        plt.legend()
-        plt.savefig(args.plot, dpi=100)
-        print(f"wrote {args.plot}")
+        plot_curves({name: (list(c), list(c.values())) for name, c in curves.items()},
+                    "iteration", "training lm loss",
+                    "PP4, m = 4: 2bw (one-step-delayed update) vs 1f1b", args.plot,
+                    linewidth=0.8)
 
 
 if __name__ == "__main__":

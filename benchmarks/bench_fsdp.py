@@ -28,7 +28,8 @@ import functools
 import statistics
 
 import torch
-from common import benchmark_parser, machine_line, median_seconds, timed, turn_order
+from common import (benchmark_parser, llama_shape_flags, machine_line, median_seconds, timed,
+                    turn_order)
 
 from megalite.distributed.rank_pool import RankPool
 from megalite.planning.measured import model_state_bytes
@@ -154,9 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_line())
     h = args.hidden_size
-    model = ["--num-layers", str(args.num_layers), "--hidden-size", str(h),
-             "--num-attention-heads", str(max(h // 64, 2)), "--ffn-hidden-size",
-             str(8 * h // 3 // 64 * 64), "--vocab-size", str(args.vocab_size),
+    model = [*llama_shape_flags(args.num_layers, h, args.vocab_size),
              "--max-position-embeddings", str(args.seq_length), *LLAMA, *OPTIMIZER]
     timed = model + ["--seq-length", str(args.seq_length), "--micro-batch-size",
                      str(args.micro_batch_size)]

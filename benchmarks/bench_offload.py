@@ -28,7 +28,7 @@ import tempfile
 import time
 
 import torch
-from common import benchmark_parser, machine_line, timed
+from common import benchmark_parser, llama_shape_flags, machine_line, timed
 
 from megalite.distributed.rank_pool import run_once
 
@@ -111,9 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_line())
     h = args.hidden_size
-    model = ["--num-layers", str(args.num_layers), "--hidden-size", str(h),
-             "--num-attention-heads", str(max(h // 64, 2)), "--ffn-hidden-size",
-             str(8 * h // 3 // 64 * 64), "--vocab-size", str(args.vocab_size),
+    model = [*llama_shape_flags(args.num_layers, h, args.vocab_size),
              "--seq-length", str(args.seq_length), "--max-position-embeddings",
              str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
              "--data-parallel-sharding-strategy", args.strategy, *LLAMA]

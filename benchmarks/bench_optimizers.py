@@ -18,7 +18,7 @@ import io
 import re
 import tempfile
 
-from common import benchmark_parser, machine_line
+from common import benchmark_parser, machine_line, plot_curves
 
 VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([0-9.E+-]+)")
 OWN_FLAGS = {"muon": lambda freeze: ["--muon-scale-mode", "spectral",
@@ -108,18 +108,10 @@ def main() -> None:
         print(f"| {name} | {final:.4f} | {vs_loss} | {total / 2 ** 20:,.1f} | {vs_bytes} | "
               f"{reached} |")
     if args.plot and runs:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        for name, run in runs.items():
-            iterations, losses = zip(*run["validations"])
-            plt.plot(iterations, losses, marker="o", markersize=3, label=name)
-        plt.xlabel("iteration")
-        plt.ylabel("validation lm loss")
-        plt.title(f"DP {args.ranks}, built-in corpus, same seed and data")
-        plt.legend()
-        plt.savefig(args.plot, dpi=100)
-        print(f"wrote {args.plot}")
+        plot_curves({name: tuple(zip(*run["validations"])) for name, run in runs.items()},
+                    "iteration", "validation lm loss",
+                    f"DP {args.ranks}, built-in corpus, same seed and data", args.plot,
+                    marker="o", markersize=3)
 
 
 if __name__ == "__main__":

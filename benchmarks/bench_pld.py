@@ -23,7 +23,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from common import benchmark_parser, machine_line
+from common import benchmark_parser, machine_line, plot_curves
 
 ITERATION = re.compile(r"iteration\s+(\d+)/.*?(?:layers computed ([0-9.]+) \| )?ms/iter (\d+)")
 VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([0-9.E+-]+)")
@@ -88,18 +88,13 @@ def main() -> None:
     print(f"step time ratio pld/none {pld['ms/iter'] / none['ms/iter']:.3f}, layers computed "
           f"{pld['layers computed']:.3f}")
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        curves = {}
         for name, result in runs.items():
             seconds, _, losses = zip(*result["validations"])
-            plt.plot(seconds, losses, marker="o", label=name)
-        plt.xlabel("wall-clock seconds")
-        plt.ylabel("validation lm loss")
-        plt.title(f"PLD (theta {args.theta}, gamma {args.gamma}) vs none")
-        plt.legend()
-        plt.savefig(args.plot, dpi=100)
-        print(f"wrote {args.plot}")
+            curves[name] = seconds, losses
+        plot_curves(curves, "wall-clock seconds", "validation lm loss",
+                    f"PLD (theta {args.theta}, gamma {args.gamma}) vs none", args.plot,
+                    marker="o")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,30 @@ def turn_order(names: Iterable[T], round_index: int) -> list[T]:
     return names if round_index % 2 == 0 else names[::-1]
 
 
+def plot_curves(curves: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str,
+                path: str, **style) -> None:
+    """One line per name of `curves` ({name: (x values, y values)}) into the PNG `path`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for name, (x, y) in curves.items():
+        plt.plot(x, y, label=name, **style)
+    plt.xlabel(xlabel)
+    plt.ylabel(ylabel)
+    plt.title(title)
+    plt.legend()
+    plt.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def llama_shape_flags(num_layers: int, hidden_size: int, vocab_size: int) -> list[str]:
+    """pretrain_gpt flags of a Llama-shaped model: heads of 64 (at least 2), SwiGLU's
+    8h/3 rounded down to a multiple of 64."""
+    return ["--num-layers", str(num_layers), "--hidden-size", str(hidden_size),
+            "--num-attention-heads", str(max(hidden_size // 64, 2)), "--ffn-hidden-size",
+            str(8 * hidden_size // 3 // 64 * 64), "--vocab-size", str(vocab_size)]
+
+
 def rss_bytes() -> int:
     """This process's resident set (Linux /proc)."""
     with open("/proc/self/statm") as f:
