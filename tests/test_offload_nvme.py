@@ -13,10 +13,12 @@ curve (1e-5: the layouts sum in other orders).
 Bad paths are one line before training: missing, not writable (simulated: root ignores
 permissions) and too small for the planner's bytes (free space simulated).
 """
+import gc
 import os
 import tempfile
 
 import pytest
+import torch.distributed as dist
 
 from megalite.tasks import gpt as pretrain_gpt
 from tests.helpers.gpt_run import make_dataset, tiny_args, train_with_grad_norms
@@ -43,6 +45,8 @@ def _curves(prefix: str, root: str, layouts: dict[str, list[str]]) -> dict:
         curves = [train_with_grad_norms(tiny_args(prefix, os.path.join(root, f"{name}-{tier}"),
                                                   3, *EXACT, *flags, *extra))
                   for tier, extra in (("none", []), ("nvme", _nvme(nvme)))]
+        gc.collect()  # the tier removes its directory when collected: ZeRO-3's FSDP2 model
+        dist.barrier()  # and optimizer are reference cycles; then every rank has collected
         out[name] = (*curves, os.listdir(nvme))
     return out
 
