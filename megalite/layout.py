@@ -36,6 +36,7 @@ class RunLayout:
     sharding: str              # --data-parallel-sharding-strategy (a megalite.config.sharding record)
     cpu_offload: bool = False  # --optimizer-cpu-offload / --optimizer-offload-device cpu
     nvme_offload: bool = False  # --optimizer-offload-device nvme
+    param_tier: str = "none"   # --param-offload-device
 
     @property
     def strategy(self) -> ShardingStrategy:
@@ -69,6 +70,8 @@ class RunLayout:
         tokens = f" | seq {self.seq_length}, {split} per rank" if split < self.seq_length else ""
         offload = ", CPU offload" if self.cpu_offload else \
             ", NVMe offload" if self.nvme_offload else ""
+        if self.param_tier != "none":
+            offload += f", parameters offloaded to {self.param_tier}"
         return (f"world {g.world_size} = TP {g.tp} x {cp}PP {g.pp}{vpp} x DP {g.dp}{ep} | "
                 f"sharding {self.sharding}{offload}{tokens}")
 
@@ -100,11 +103,13 @@ class RunLayout:
         o = configs.optimizer
         check_decay_iters(o.lr_decay_style, o.lr_warmup_iters, o.lr_decay_iters or t.train_iters)
         check_sharding(o, schedule)
+        if o.param_offload_device != "none":
+            check_param_tier(o, sharding_strategy(o.sharding), configs.checkpoint.async_save)
         if optimizer_kind(o.optimizer).check_run is not None:
             optimizer_kind(o.optimizer).check_run(configs, grid.dp * grid.cp)
         return cls(grid, schedule, t.micro_batch_size, global_batch, microbatches, t.seq_length,
                    p.sequence_parallel, o.sharding, o.offload_device == "cpu",
-                   o.offload_device == "nvme")
+                   o.offload_device == "nvme", o.param_offload_device)
 
 
 def check_sharding(o: OptimizerConfig, schedule: ScheduleKind) -> None:
@@ -133,6 +138,26 @@ def check_sharding(o: OptimizerConfig, schedule: ScheduleKind) -> None:
         raise ValueError(f"--optimizer {kind.name} sends gradients through its own reducer, "
                          f"which FSDP2 does not run: {flag} {strategy.name} cannot go with it "
                          f"(use {_names(s for s in STRATEGIES if not s.fsdp)})")
+
+
+def check_param_tier(o: OptimizerConfig, strategy: ShardingStrategy,
+                     async_save: bool = False) -> None:
+    """--param-offload-device needs the parameters sharded between uses on FSDP2 (ZeRO-3),
+    its own host placement (not FSDP2's CPUOffloadPolicy) and saves that read the weights
+    while they are resident (not --async-save): one ValueError line."""
+    flag = f"--param-offload-device {o.param_offload_device}"
+    if not (strategy.fsdp and strategy.reshard_after_forward):
+        raise ValueError(f"{flag} moves ZeRO-3's sharded parameters: it needs "
+                         f"--data-parallel-sharding-strategy "
+                         f"{_names(s for s in STRATEGIES if s.fsdp and s.reshard_after_forward)}"
+                         f" (got {strategy.name})")
+    if o.offload_device == "cpu":
+        raise ValueError(f"{flag} cannot go with the cpu optimizer tier, which keeps the "
+                         f"sharded parameters in host memory already (FSDP2's "
+                         f"CPUOffloadPolicy)")
+    if async_save:
+        raise ValueError(f"{flag} cannot go with --async-save: a background save would read "
+                         f"parameters the tier has moved off")
 
 
 def _check_across_steps(configs: Configs, schedule: ScheduleKind, pp: int) -> None:

@@ -17,6 +17,7 @@ costs no more host memory than that buffer and the header. The file is byte for 
 every byte the header announces, so a truncated or foreign file is one clear error
 before any tensor is read.
 """
+import ctypes
 import json
 import os
 import struct
@@ -96,8 +97,12 @@ def safetensors_header(order: list[tuple[str, torch.Tensor]],
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous host tensor, in place (any dtype: viewed as uint8)."""
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    """The bytes of a contiguous host tensor, in place (any dtype), read through its address:
+    numpy would leave its storage unresizable for good, which the parameter tier resizes."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _chunks(tensor: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:

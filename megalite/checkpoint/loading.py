@@ -17,6 +17,7 @@ from megalite.checkpoint.rng import reseed, set_rng_state
 from megalite.checkpoint.shards import INDEX, ShardReader, verify_files
 from megalite.checkpoint.state import load_optimizer, load_weights
 from megalite.config import ModelConfig
+from megalite.distributed.param_tier import params_resident
 from megalite.models.sharding import params_dtype
 
 
@@ -64,11 +65,12 @@ def load(root: str, model: list[torch.nn.Module], optimizer, scheduler,
     verify(root, meta, layout, dist.get_world_size())
     iteration, reader = meta["iteration"], checkpoint_reader(root, meta)
     try:
-        load_weights(reader, model)
-        optimizer.reload_model_params()
-        if restores_optimizer(meta, settings):
-            with optimizer.resident():  # the nvme tier's state written to its file
-                load_optimizer(reader, model, optimizer)
+        with params_resident(model, changed=True):  # the parameter tier's shards written
+            load_weights(reader, model)
+            optimizer.reload_model_params()
+            if restores_optimizer(meta, settings):
+                with optimizer.resident():  # the nvme tier's state written to its file
+                    load_optimizer(reader, model, optimizer)
     except ValueError as error:
         raise CheckpointFileError(str(error)) from None
     if restores_optimizer(meta, settings):

@@ -20,6 +20,7 @@ from megalite.checkpoint.staging import AsyncStaging
 from megalite.checkpoint.state import collect_shards
 from megalite.config import ModelConfig
 from megalite.data.tokenizers import Tokenizer
+from megalite.distributed.param_tier import params_resident
 from megalite.models.sharding import local_shard
 from megalite.mpu import comm
 
@@ -94,41 +95,43 @@ def save(root: str, iteration: int, model: list[torch.nn.Module], optimizer,
     """
     rank = dist.get_rank()
     device = next(model[0].parameters()).device
-    bad = torch.stack([torch.isfinite(local_shard(p)).all() for c in model
-                       for p in c.parameters()]).all()
-    bad = (~bad).float().reshape(1)
-    comm.all_reduce(bad, dist.group.WORLD, op=dist.ReduceOp.MAX)
-    if bad.item():
-        raise ValueError(f"save at iteration {iteration}: the weights hold NaN/Inf; {root} "
-                         f"keeps its last good checkpoint")
-    tmp = iteration_dir(root, iteration) + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    writer = ShardWriter(rank)
-    with optimizer.resident():  # the nvme tier's state read from its file
-        collect_shards(model, optimizer, writer)
-    if async_save:
-        writer.tensors = STAGING.stage(writer.tensors, optimizer)
-    rng, reducers = rng_state(), reducer_states(model)
-    meta = None
-    if rank == 0:
-        meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
-                "model_config": dataclasses.asdict(model_config),
-                "params_dtype": params_dtype_name(model), "optimizer": optimizer.settings(),
-                "layout": current_layout(), "scheduler": scheduler.state_dict(),
-                "scaler": optimizer.scaler.state_dict() if optimizer.scaler else None,
-                **({"task": task_state} if task_state else {}),
-                **save_tokenizer(tmp, tokenizer)}
+    with params_resident(model):  # the parameter tier's shards, read and written
+        bad = torch.stack([torch.isfinite(local_shard(p)).all() for c in model
+                           for p in c.parameters()]).all()
+        bad = (~bad).float().reshape(1)
+        comm.all_reduce(bad, dist.group.WORLD, op=dist.ReduceOp.MAX)
+        if bad.item():
+            raise ValueError(f"save at iteration {iteration}: the weights hold NaN/Inf; {root} "
+                             f"keeps its last good checkpoint")
+        tmp = iteration_dir(root, iteration) + ".tmp"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        writer = ShardWriter(rank)
+        with optimizer.resident():  # the nvme tier's state read from its file
+            collect_shards(model, optimizer, writer)
+        if async_save:
+            writer.tensors = STAGING.stage(writer.tensors, optimizer)
+        rng, reducers = rng_state(), reducer_states(model)
+        meta = None
+        if rank == 0:
+            meta = {"format": FORMAT, "iteration": iteration,
+                    "consumed_samples": consumed_samples,
+                    "model_config": dataclasses.asdict(model_config),
+                    "params_dtype": params_dtype_name(model), "optimizer": optimizer.settings(),
+                    "layout": current_layout(), "scheduler": scheduler.state_dict(),
+                    "scaler": optimizer.scaler.state_dict() if optimizer.scaler else None,
+                    **({"task": task_state} if task_state else {}),
+                    **save_tokenizer(tmp, tokenizer)}
 
-    def write() -> None:
-        writer.write(tmp)
-        save_state(rank_state_path(tmp, rank), {"rng": rng, "reducers": reducers})
-    pending = PendingSave(root, iteration, tmp, write, meta, keep_latest,
-                          STAGING if async_save else None)
-    if not async_save:
-        pending.finish(device)
+        def write() -> None:
+            writer.write(tmp)
+            save_state(rank_state_path(tmp, rank), {"rng": rng, "reducers": reducers})
+        pending = PendingSave(root, iteration, tmp, write, meta, keep_latest,
+                              STAGING if async_save else None)
+        if not async_save:
+            pending.finish(device)
     return pending
 
 

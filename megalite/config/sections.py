@@ -128,9 +128,14 @@ class OptimizerConfig(Section):
         "offload_optimizer.device): cpu (host memory, as --optimizer-cpu-offload) or nvme "
         "(files under --offload-nvme-path, streamed through a few host buffers; needs a "
         "sharded strategy)", choices=("cpu", "nvme"))
+    param_offload_device: str = arg(
+        "none", "where ZeRO-3's sharded parameters live between uses (DeepSpeed's "
+        "offload_param.device): none (the device), cpu (host memory; no saving on a CPU "
+        "machine) or nvme (files under --offload-nvme-path), each layer read back ahead of "
+        "its all-gather", choices=("none", "cpu", "nvme"))
     offload_nvme_path: str | None = arg(
-        None, "directory (on a fast local disk) for the nvme tier's scratch files, one "
-        "subdirectory per rank, removed at exit (DeepSpeed's nvme_path)")
+        None, "directory (on a fast local disk) for the nvme tiers' scratch files, one "
+        "subdirectory per rank and tier, removed at exit (DeepSpeed's nvme_path)")
     offload_sub_group_size: int = arg(
         1_000_000, "parameters per sub-group the nvme tier steps at a time (DeepSpeed's "
         "sub_group_size): host memory holds 3 sub-groups' masters, state and grads", min=1)
@@ -157,7 +162,11 @@ class OptimizerConfig(Section):
         if self.optimizer_cpu_offload and self.optimizer_offload_device == "nvme":
             raise ValueError("--optimizer-cpu-offload is --optimizer-offload-device cpu: it "
                              "cannot go with --optimizer-offload-device nvme")
-        if (self.optimizer_offload_device == "nvme") != bool(self.offload_nvme_path):
+        if self.param_offload_device == "nvme" and not self.offload_nvme_path:
+            raise ValueError("--param-offload-device nvme needs --offload-nvme-path DIR (where "
+                             "the parameters' files go)")
+        if (self.optimizer_offload_device == "nvme" or self.param_offload_device == "nvme") \
+                != bool(self.offload_nvme_path):
             raise ValueError("--optimizer-offload-device nvme and --offload-nvme-path DIR go "
                              "together (got only one of them)")
 

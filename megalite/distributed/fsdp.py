@@ -19,6 +19,8 @@ which FSDP shards further along dim 0 over DP.
   parameters are the fp32 masters the optimizer steps (no second copy).
 - `--optimizer-cpu-offload`: `CPUOffloadPolicy`: sharded params, grads and optimizer state
   on the host (pinned on CUDA), the optimizer steps there.
+- `--param-offload-device cpu|nvme` (ZeRO-3): each unit's sharded parameters in host memory
+  or a file between uses (megalite.distributed.param_tier, the chunk's `param_tier`).
 
 Each sharded parameter keeps a grad shard for the whole run (FSDP adds each step's
 reduce-scattered grads into it) and `main_grad`, its plain local tensor, so
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from megalite import device
+from megalite.distributed.param_tier import attach_param_tier
 from megalite.distributed.wrapper import ChunkWrapper
 from megalite.models.transformer import ParallelTransformerLayer
 from megalite.moe.layer import MoELayer
@@ -61,6 +64,7 @@ class FullyShardedChunk(ChunkWrapper):
         self.module, self.strategy, self.pipelined = module, strategy, pipelined
         self.param_dtype = param_dtype  # gathered and computed in; the shards stay fp32
         self.data_parallel_group = data_parallel_group  # DP x CP: the grad statistics
+        self.param_tier = None  # --param-offload-device: set by shard_model
         self.zero_grad_buffer()
 
     def _set_last_backward(self, last: bool) -> None:
@@ -123,10 +127,13 @@ def _units(module: nn.Module) -> list[tuple[nn.Module, bool]]:
 
 
 def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
-                cpu_offload: bool = False) -> FullyShardedChunk:
+                cpu_offload: bool = False, param_tier: str = "none",
+                nvme_path: str | None = None) -> FullyShardedChunk:
     """Shard `chunk` (built in `param_dtype` on this rank's device, process grid initialised)
     for the strategy named `strategy` (one whose record runs on FSDP2: optim_grads,
-    optim_grads_params), with the host offload when `cpu_offload`; see the module docstring.
+    optim_grads_params), with the host offload when `cpu_offload` and the units' sharded
+    parameters in `param_tier` ("cpu", or "nvme" under `nvme_path`: the chunk's
+    `param_tier`, megalite.distributed.param_tier); see the module docstring.
     Parameters become fp32 DTensors sharded on dim 0 over DP x CP (experts: expert-DP);
     megalite's parameter attributes (TP split, tied copy, expert) are kept on them."""
     record = sharding_strategy(strategy)
@@ -147,7 +154,8 @@ def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
     dp_size = comm.world_size(dp_group)
     dense, experts = _mesh(dp_group), _mesh(parallel_state.get_expert_data_parallel_group())
     reshard = record.reshard_after_forward and not pipelined
-    for unit, expert in _units(chunk):
+    units = _units(chunk)
+    for unit, expert in units:
         fully_shard(unit, mesh=experts if expert else dense, reshard_after_forward=reshard,
                     mp_policy=policy, offload_policy=offload)
         if expert:  # each expert's grad sums its whole EP group's tokens: mean over all DP,
@@ -159,7 +167,11 @@ def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
     for name, param in chunk.named_parameters():
         param.__dict__.update(attributes[name])
         _localise_padding_rows(param)
-    return FullyShardedChunk(chunk, record, pipelined, dp_group, param_dtype)
+    sharded = FullyShardedChunk(chunk, record, pipelined, dp_group, param_dtype)
+    if param_tier != "none":  # after the grad shards: they stay on the device
+        sharded.param_tier = attach_param_tier(chunk, [u for u, _ in units], param_tier,
+                                               nvme_path)
+    return sharded
 
 
 def _localise_padding_rows(param: DTensor) -> None:

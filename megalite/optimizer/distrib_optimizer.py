@@ -12,6 +12,7 @@ FullyShardedOptimizer steps the shards of fully sharded chunks (ZeRO-2/3) in pla
 from torch import nn
 
 from megalite.distributed.fsdp import fsdp_shard_start
+from megalite.distributed.param_tier import params_resident
 from megalite.mpu import parallel_state
 from megalite.optimizer.optimizer import Fragment, MixedPrecisionOptimizer
 
@@ -72,6 +73,13 @@ class FullyShardedOptimizer(DistributedOptimizer):
         """Each parameter with its FSDP mesh's group (DP x CP; experts: expert-DP)."""
         return [(p, p.device_mesh.get_group()) for chunk in self.model_chunks
                 for p in chunk.parameters() if p.requires_grad]
+
+    def apply(self, grad_norm: float, found_inf: bool, loss_is_finite: bool = True
+              ) -> tuple[bool, float | None]:
+        """MixedPrecisionOptimizer.apply with the parameter tier's shards resident (written
+        back to the tier after the step; megalite.distributed.param_tier)."""
+        with params_resident(self.model_chunks, changed=True):
+            return super().apply(grad_norm, found_inf, loss_is_finite)
 
     def _copy_main_to_model(self) -> None:
         """Nothing: the masters are the sharded params."""

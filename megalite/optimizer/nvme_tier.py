@@ -21,7 +21,7 @@ megalite's are). State the optimizer creates lazily on its first step is copied 
 buffer and written with the rest.
 
 The file lives in a fresh directory (tempfile.mkdtemp) under --offload-nvme-path, removed
-when the optimizer goes or the process exits; a killed run's directory has another name and
+by `close()` at the end of train (or when the optimizer goes or the process exits); a killed run's directory has another name and
 is never read: a new run writes its file from the model before the first step. Checkpoints
 read the state through `resident()`: every fragment's master and state as whole host
 tensors, the layout the in-memory optimizer has, written back to the file at its end.
@@ -44,6 +44,12 @@ FP32_BYTES = 4
 BUFFERS = 3  # read-ahead k+1, step k, write-back k-1
 MMAP_THRESHOLD = 128 * 1024  # glibc's default, made fixed
 M_MMAP_THRESHOLD = -3  # glibc malloc.h
+
+
+def remove_scratch(fd: int, directory: str) -> None:
+    """Close a tier's file and remove its scratch directory."""
+    os.close(fd)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def pin_mmap_threshold() -> None:
@@ -166,10 +172,9 @@ class NvmeTier:
         self.bytes_read = self.bytes_written = 0
         os.makedirs(path, exist_ok=True)
         self.directory = tempfile.mkdtemp(prefix=f"megalite-rank{rank}-", dir=path)
-        weakref.finalize(self, shutil.rmtree, self.directory, True)
         self.fd = os.open(os.path.join(self.directory, "optimizer.bin"),
                           os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        weakref.finalize(self, os.close, self.fd)
+        self._cleanup = weakref.finalize(self, remove_scratch, self.fd, self.directory)
         self.file_bytes = sum(g.file_numel for g in self.groups) * FP32_BYTES
         pin_mmap_threshold()
         pin = device.device_type() == "cuda"
@@ -178,6 +183,13 @@ class NvmeTier:
                         for _ in range(BUFFERS)]
         self.reader, self.writer = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
         self.write_masters(fresh=True)
+
+    def close(self) -> None:
+        """Stop the I/O threads, close the file and remove the directory now (not when the
+        garbage collector frees the tier); the optimizer cannot step afterwards."""
+        self.reader.shutdown(wait=True)
+        self.writer.shutdown(wait=True)
+        self._cleanup()
 
     def _submit_read(self, group: Group, buffer: torch.Tensor) -> Future:
         self.bytes_read += group.file_numel * FP32_BYTES

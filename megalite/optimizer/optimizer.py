@@ -257,6 +257,12 @@ class MixedPrecisionOptimizer:
         them back, the in-memory optimizers hold them anyway."""
         return self.tier.resident(self.optimizer) if self.tier else contextlib.nullcontext()
 
+    def close(self) -> None:
+        """Remove the nvme tier's scratch files now (end of the run): FSDP2's reference
+        cycles would keep them until a garbage collection. No step after this."""
+        if self.tier is not None:
+            self.tier.close()
+
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Refresh the fp32 main params from the model params (after loading weights)."""

@@ -161,19 +161,30 @@ class Plan:
         return max(self.checkpoint_bytes(stage) for stage in self.stages) / (write_gbps * 1e9)
 
     def tier_bytes(self) -> tuple[float, float]:
-        """(bytes in the nvme tier's file, host bytes of the tier: its buffers, or the cpu
-        tier's state) on the rank of the largest share (0, state or 0 without a tier)."""
+        """(bytes in the nvme tiers' files, host bytes of the tiers: the optimizer's nvme
+        buffers, the cpu tiers' state or parameters) on the rank of the largest share."""
         o = self.configs.optimizer
         nvme = max(s.state_bytes.nvme for s in self.stages.values())
-        host = tier_host_bytes(o.offload_sub_group_size, o) if self.layout.nvme_offload \
-            else max(s.state_bytes.host for s in self.stages.values())
+        host = max(s.state_bytes.host for s in self.stages.values())
+        if self.layout.nvme_offload:
+            host += tier_host_bytes(o.offload_sub_group_size, o)
         return nvme, host
 
+    def param_tier_bytes(self) -> float:
+        """Bytes the parameter tier holds (host or file) on the rank of the largest share."""
+        if self.layout.param_tier == "none":
+            return 0.0
+        return max(s.state_bytes.params for s in self.stages.values())
+
     def tier_io_seconds(self, disk_gbps: float) -> tuple[float, float]:
-        """(bytes the nvme tier reads plus writes per step on one rank: its file once each
-        way; the seconds they take at `disk_gbps` GB/s, not counting their overlap with the
-        step's compute)."""
-        io = 2 * self.tier_bytes()[0]
+        """(bytes the nvme tiers read plus write per step on one rank; the seconds they take
+        at `disk_gbps` GB/s, not counting their overlap with the step's compute): the
+        optimizer's file once each way; the parameter tier's read for the forward, for the
+        backward (ZeRO-3 without PP gathers again) and for the optimizer step, and written
+        after the step."""
+        params = self.param_tier_bytes() if self.layout.param_tier == "nvme" else 0.0
+        reads = 3 if self.layout.grid.pp == 1 else 2
+        io = 2 * (self.tier_bytes()[0] - params) + (reads + 1) * params
         return io, io / (disk_gbps * 1e9)
 
     def step_time(self, peak_tflops: float, mfu: float) -> float:
@@ -311,12 +322,13 @@ def plan(configs: Configs, sequence_parallel: bool | None = None) -> Plan:
     padded_vocab = pad_vocab_size(configs.model.vocab_size,
                                   configs.model.make_vocab_size_divisible_by, tp)
     ep, sharding = par.expert_model_parallel_size, layout.sharding
-    offload, nvme = layout.cpu_offload, layout.nvme_offload
-    state = state_bytes_per_param(precision, sharding, dp * cp, offload, configs.optimizer, nvme)
+    offload, nvme, tier = layout.cpu_offload, layout.nvme_offload, layout.param_tier
+    state = state_bytes_per_param(precision, sharding, dp * cp, offload, configs.optimizer, nvme,
+                                  tier)
     if schedule.weight_versions > 1:  # 2bw: the previous weights, whole on every rank
         state = dataclasses.replace(state, params=state.params * schedule.weight_versions)
     expert_state = state_bytes_per_param(precision, sharding, dp * cp // ep, offload,
-                                         configs.optimizer, nvme)
+                                         configs.optimizer, nvme, tier)
     stored, working = _layer_stack(configs, configs.model.num_layers // (pp * v), e, tp,
                                    sequence_parallel)
     gpipe = schedule.name == GPIPE

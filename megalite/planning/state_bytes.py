@@ -16,6 +16,9 @@ parameters and grads too: `StateBytes.host` of the total is then in host memory.
 tier (`--optimizer-offload-device nvme`, megalite.optimizer.nvme_tier) moves the optimizer's
 state and its separate fp32 masters (bf16/fp16 on the grad buffer) to a file:
 `StateBytes.nvme`; host memory holds its buffers (`tier_host_bytes`), not per parameter.
+The parameter tier (`--param-offload-device`, ZeRO-3, megalite.distributed.param_tier) moves
+the sharded parameters (4/N) to host memory (cpu) or its file (nvme); the device keeps the
+shards of the units in flight, counted with the gathered parameters (`gather_bytes`).
 
 What a strategy shards, whether FSDP2 runs it and what offload moves are the fields of its
 megalite.config.sharding record; the optimizer's state bytes (AdamW's m, v: 8; SGD's momentum: 4)
@@ -93,7 +96,7 @@ def zero_bytes(components: tuple[float, float, float], strategy: str, n: int,
 
 def state_bytes_per_param(precision: str, strategy: str = NO_SHARD.name, n: int = 1,
                           offload: bool = False, optimizer: OptimizerConfig | None = None,
-                          nvme: bool = False) -> StateBytes:
+                          nvme: bool = False, param_tier: str = "none") -> StateBytes:
     """Model-state bytes per parameter on one rank, between steps, as megalite holds them
     (`optimizer`: whose state, default AdamW's 8 bytes): fp32 16 / 8 + 8/N, bf16 18 / 6 +
     12/N on the gradient buffer (no_shard / optim), 16/N under FSDP2 (optim_grads,
@@ -103,7 +106,7 @@ def state_bytes_per_param(precision: str, strategy: str = NO_SHARD.name, n: int 
     family: 8 + 4/N) is added to the optimizer's, on the device and unsharded. `nvme`: the
     optimizer's state, and its fp32 masters where they are a copy (bf16/fp16 on the grad
     buffer), in files: 12/N bf16, 8/N fp32 or under FSDP2 (its sharded parameters are the
-    masters)."""
+    masters). `param_tier` cpu / nvme: the parameters' bytes in host memory / files."""
     record = sharding_strategy(strategy)
     state = optimizer_state_bytes(optimizer)
     components = held_components(precision, record, offload, state)
@@ -114,8 +117,12 @@ def state_bytes_per_param(precision: str, strategy: str = NO_SHARD.name, n: int 
     if nvme:
         masters = 0 if record.fsdp or precision == "fp32" else FP32
         in_file = (masters + state) / (n if record.shards_optimizer else 1)
-    return StateBytes(**parts, host=sum(parts[c] for c in record.offloaded) if offload else 0.0,
-                      nvme=in_file)
+    host = sum(parts[c] for c in record.offloaded) if offload else 0.0
+    if param_tier == "cpu":
+        host += parts["params"]
+    elif param_tier == "nvme":
+        in_file += parts["params"]
+    return StateBytes(**parts, host=host, nvme=in_file)
 
 
 def tier_host_bytes(sub_group_size: int, optimizer: OptimizerConfig | None = None) -> int:
@@ -146,14 +153,18 @@ def gather_bytes(precision: str, strategy: str, stage_params: int, root: int, la
 
 
 def describe(precision: str, strategy: str, n: int, ep: int, offload: bool, dense: int,
-             expert: int, gather: int, optimizer: OptimizerConfig | None = None) -> str:
+             expert: int, gather: int, optimizer: OptimizerConfig | None = None,
+             param_tier: str = "none") -> str:
     """The start-up line: model-state bytes of `dense` params sharded over n ranks and
     `expert` params over n / ep, e.g. 'model state per rank: 110.0 MiB (12 B/param, sharding
     optim over 2 ranks); 20.0 MiB of it in host memory; + 10.0 MiB of gathered parameters
-    at the peak'; with `optimizer`, its name after the sharding ('..., optimizer muon')."""
+    at the peak'; with `optimizer`, its name after the sharding ('..., optimizer muon');
+    with `param_tier`, where the parameters are between uses ('; parameters in nvme ...')."""
     nvme = optimizer is not None and optimizer.offload_device == "nvme"
-    state = state_bytes_per_param(precision, strategy, n, offload, optimizer, nvme) * dense \
-        + state_bytes_per_param(precision, strategy, n // ep, offload, optimizer, nvme) * expert
+    state = state_bytes_per_param(precision, strategy, n, offload, optimizer, nvme,
+                                  param_tier) * dense \
+        + state_bytes_per_param(precision, strategy, n // ep, offload, optimizer, nvme,
+                                param_tier) * expert
     mib = 2 ** 20
     per_param = state.total / (dense + expert)
     named = f", optimizer {optimizer.optimizer}" if optimizer is not None else ""
@@ -161,10 +172,13 @@ def describe(precision: str, strategy: str, n: int, ep: int, offload: bool, dens
             f"sharding {strategy} over {n} rank{'s' if n > 1 else ''}{named})")
     if state.host:
         line += f"; {state.host / mib:,.1f} MiB of it in host memory"
+    if state.nvme:
+        line += f"; {state.nvme / mib:,.1f} MiB of it in files under --offload-nvme-path"
     if nvme:
         buffers = tier_host_bytes(optimizer.offload_sub_group_size, optimizer)
-        line += (f"; {state.nvme / mib:,.1f} MiB of it in files under --offload-nvme-path "
-                 f"(nvme tier; {buffers / mib:,.1f} MiB of host buffers)")
+        line += f" (nvme tier; {buffers / mib:,.1f} MiB of host buffers)"
+    if param_tier != "none":
+        line += f"; parameters between uses in {param_tier} (param tier)"
     if gather:
         line += f"; + {gather / mib:,.1f} MiB of gathered parameters at the peak"
     return line

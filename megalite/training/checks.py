@@ -61,7 +61,7 @@ def check_before_start(configs: Configs, layout: RunLayout) -> None:
                    needs_train=t.train_iters > 0)
     check_available(t.tensorboard_dir, t.wandb_project)
     check_layer_drop(configs)
-    if configs.optimizer.offload_device == "nvme":
+    if configs.optimizer.offload_nvme_path:  # an nvme tier (optimizer or parameters)
         check_nvme_path(configs, layout)
     parse_faults(os.environ.get("MEGALITE_FAULT", ""))
     start = 0

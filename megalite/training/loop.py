@@ -174,6 +174,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
             task.finish(run)
     finally:
         run.logger.close()
+        run.close_tiers()
     return TrainResult(run.model, run.losses, run.grad_norms)
 
 

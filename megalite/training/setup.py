@@ -54,7 +54,7 @@ def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Mo
                                       g.pp > 1, layout.num_microbatches)
     log(state_bytes.describe(precision, layout.sharding, g.dp * g.cp, g.ep,
                              layout.cpu_offload, stage - expert, expert,
-                             gather, configs.optimizer))
+                             gather, configs.optimizer, layout.param_tier))
     if configs.checkpoint.save:
         per_param, weights = planner.checkpoint_bytes_per_param(
             precision, configs.optimizer, layout.schedule.weight_versions)
@@ -116,7 +116,8 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
     strategy = sharding_strategy(o.sharding)
     if strategy.fsdp:
         return [shard_model(chunk, strategy.name, configs.precision.params_dtype,
-                            o.offload_device == "cpu") for chunk in chunks]
+                            o.offload_device == "cpu", o.param_offload_device,
+                            o.offload_nvme_path) for chunk in chunks]
     # progressive layer dropping: a replica's dropped layers get no grads, so buckets would
     # become ready in a different order on each replica; all are reduced after backward
     overlap = o.overlap_grad_reduce and not configs.train.progressive_layer_drop

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megalite import checkpoint
 from megalite.config import Configs
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
+from megalite.distributed.param_tier import close_param_tiers
 from megalite.layout import RunLayout
 from megalite.training.logger import TrainingLogger, log
 
@@ -121,6 +122,12 @@ class Run:
         else:
             log(f"saved checkpoint to {root} at iteration {self.iteration}")
         self.saved_at = self.iteration
+
+    def close_tiers(self) -> None:
+        """Remove the offload tiers' scratch files now, not when FSDP2's reference cycles
+        are collected: the parameters come back to the device, the optimizer steps no more."""
+        close_param_tiers(self.model)
+        self.optimizer.close()
 
     def finish_saves(self) -> None:
         """Wait for an --async-save in flight and publish it (collective over the world)."""
