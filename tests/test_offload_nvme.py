@@ -1,19 +1,28 @@
-"""The nvme tier (--optimizer-offload-device nvme, megalite.optimizer.nvme_tier).
+"""The nvme tiers: the optimizer's (--optimizer-offload-device nvme, megalite.optimizer.nvme_tier)
+and the parameters' (--param-offload-device, megalite.distributed.param_tier).
 
 Parity: the loss and global grad-norm curves equal those of the same layout without offload
-(fp32, Adam with clipping active, a constant learning rate; 3 steps) at DP2 ZeRO-1, DP2 ZeRO-3
-and TP2 x PP2 x DP2 ZeRO-3, and at DP2 ZeRO-1 in bf16, whose fp32 masters live in the file.
-Sub-groups of 700 parameters: fragments span sub-groups and the three buffers are reused.
+(fp32, Adam with clipping active, a constant learning rate; 3 steps) with the optimizer tier
+at DP2 ZeRO-1, DP2 ZeRO-3 and at DP2 ZeRO-1 in bf16, whose fp32 masters live in the file; with
+the parameter tier (nvme) at DP2 ZeRO-3; with both at TP2 x PP2 x DP2 ZeRO-3. Sub-groups of
+700 parameters: fragments span sub-groups and the three buffers are reused. Every run leaves
+its scratch directories removed when train() returns (closed, not garbage collected).
 
-Resume chain: an nvme-tier run stopped by SIGTERM after step 2 (checkpoint read through the
-tier), resumed without the tier at TP2 with the distributed optimizer (state resharded),
-stopped at step 4, resumed with the tier at DP2 ZeRO-3 to step 6: the uninterrupted run's
-curve (1e-5: the layouts sum in other orders).
+Device-resident parameters: in the DP2 ZeRO-3 parameter-tier run, at each layer's forward
+(after the first step, whose units start resident) the live storage bytes of all sharded
+parameters are at most the units in flight: 2 layers' shards (the one gathering and the one
+read ahead), (12 h^2 + 13 h) * 4 / DP bytes each.
+
+Resume chain: a run with both nvme tiers at DP2 ZeRO-3 stopped by SIGTERM after step 2
+(checkpoint read through the tiers), resumed without them at TP2 with the distributed
+optimizer (state resharded), stopped at step 4, resumed with the optimizer's nvme tier and
+the parameters' cpu tier at DP2 ZeRO-3 to step 6: the uninterrupted run's curve (1e-5: the
+layouts sum in other orders).
 
 Bad paths are one line before training: missing, not writable (simulated: root ignores
 permissions) and too small for the planner's bytes (free space simulated).
 """
-import gc
+import contextlib
 import os
 import tempfile
 
@@ -36,19 +45,56 @@ def _nvme(path: str) -> list[str]:
             "--offload-sub-group-size", str(SUB_GROUP)]
 
 
-def _curves(prefix: str, root: str, layouts: dict[str, list[str]]) -> dict:
-    """{name: ((losses, grad norms) without offload, with the nvme tier, files left)}."""
-    out = {}
-    for name, flags in layouts.items():
+def _tiers(variant: str, path: str) -> list[str]:
+    """The flags of a tier variant: "optimizer", "params" (nvme) or "both"."""
+    params = ["--param-offload-device", "nvme", "--offload-nvme-path", path]
+    return {"optimizer": _nvme(path), "params": params, "both": _nvme(path) + params[:2]}[variant]
+
+
+def _curves(prefix: str, root: str, layouts: dict[str, tuple[list[str], tuple[str, ...]]],
+            watch: str | None = None) -> dict:
+    """{name: ((losses, grad norms) without offload, {variant: those with its tiers}, files
+    left in the nvme directory once every rank's train() returned)}; `watch`: the variant
+    whose parameter tier's resident bytes are recorded at each layer's forward
+    (`_watch_resident`; under "resident")."""
+    out, resident = {}, []
+    for name, (flags, variants) in layouts.items():
         nvme = os.path.join(root, f"nvme-{name}")
         os.makedirs(nvme, exist_ok=True)
-        curves = [train_with_grad_norms(tiny_args(prefix, os.path.join(root, f"{name}-{tier}"),
-                                                  3, *EXACT, *flags, *extra))
-                  for tier, extra in (("none", []), ("nvme", _nvme(nvme)))]
-        gc.collect()  # the tier removes its directory when collected: ZeRO-3's FSDP2 model
-        dist.barrier()  # and optimizer are reference cycles; then every rank has collected
-        out[name] = (*curves, os.listdir(nvme))
-    return out
+        run = lambda tier, *extra: train_with_grad_norms(  # noqa: E731
+            tiny_args(prefix, os.path.join(root, f"{name}-{tier}"), 3, *EXACT, *flags, *extra))
+        plain, tiered = run("none"), {}
+        for variant in variants:
+            with _watch_resident(resident, variant == watch):
+                tiered[variant] = run(variant, *_tiers(variant, nvme))
+        dist.barrier()  # every rank's tiers are closed
+        out[name] = (plain, tiered, os.listdir(nvme))
+    return {**out, "resident": resident} if watch else out
+
+
+@contextlib.contextmanager
+def _watch_resident(record: list, on: bool):
+    """While on: the chunks' parameter tiers, once attached, append at each transformer
+    layer's forward the live storage bytes of every sharded parameter of the chunk."""
+    from megalite.distributed import fsdp
+    from megalite.models.transformer import ParallelTransformerLayer
+    attach = fsdp.attach_param_tier
+
+    def attach_and_watch(root, units, where, path):
+        tier = attach(root, units, where, path)
+        params = [p.sharded_param for unit in tier.units for p in unit.group.fsdp_params]
+        live = lambda *_: record.append(sum(  # noqa: E731
+            p._local_tensor.untyped_storage().nbytes() for p in params))
+        for layer in root.modules():
+            if isinstance(layer, ParallelTransformerLayer):
+                layer.register_forward_pre_hook(live)
+        return tier
+    if on:
+        fsdp.attach_param_tier = attach_and_watch
+    try:
+        yield
+    finally:
+        fsdp.attach_param_tier = attach
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +103,29 @@ def data(tmp_path_factory) -> str:
 
 
 def _check_parity(results: dict) -> None:
-    for name, (plain, nvme, left) in results.items():
+    for name, (plain, tiered, left) in results.items():
         assert len(set(plain[0].values())) == 3, name  # every step moves the weights
-        assert nvme == plain, name  # equal: the same fp32 arithmetic, element by element
-        assert left == [], f"{name}: the tier's scratch directory was not removed"
+        for variant, curves in tiered.items():  # equal: the same fp32 arithmetic
+            assert curves == plain, (name, variant)
+        assert left == [], f"{name}: the tiers' scratch directories were not removed"
 
 
 def test_nvme_tier_curves_and_resume_at_dp2(data, tmp_path):
-    """One 2-rank task: parity at ZeRO-1, ZeRO-3 and bf16 ZeRO-1; then the resume chain."""
-    layouts = {"zero1": ZERO1, "zero3": ZERO3, "bf16 zero1": ZERO1 + ["--bf16"]}
-    results = run_on_ranks(2, _curves, data, str(tmp_path), layouts)
+    """One 2-rank task: parity at ZeRO-1, ZeRO-3 (each tier) and bf16 ZeRO-1, the parameter
+    tier's device-resident bytes; then the resume chain."""
+    layouts = {"zero1": (ZERO1, ("optimizer",)), "zero3": (ZERO3, ("optimizer", "params")),
+               "bf16 zero1": (ZERO1 + ["--bf16"], ("optimizer",))}
+    results = run_on_ranks(2, _curves, data, str(tmp_path), layouts, "params")
+    resident = [r.pop("resident") for r in results]
     _check_parity(results[0])
+    hidden, layers, microbatches = 32, 4, 2  # tiny_args: global batch 8 = 2 x micro 2 x DP2
+    layer_shard = (12 * hidden ** 2 + 13 * hidden) * 4 // 2  # fp32, halved over DP2
+    for watched in resident:
+        assert len(watched) == 3 * layers * microbatches  # 3 steps
+        after_first_step = watched[layers * microbatches:]
+        print(f"resident sharded parameter bytes at the layers' forwards: "
+              f"{max(after_first_step)}, bound {2 * layer_shard}")
+        assert 0 < max(after_first_step) <= 2 * layer_shard, watched
     chain = run_on_ranks(2, _resume_chain, data, str(tmp_path / "chain"))[0]
     want, got = chain
     assert sorted(got) == list(range(1, 7))
@@ -84,17 +142,18 @@ def _resume_chain(prefix: str, root: str) -> tuple[dict, dict]:
     got = {}
     os.environ["MEGALITE_FAULT"] = "sigterm@2:1"
     try:
-        got.update(train_with_grad_norms(base(ck, *ZERO1, *_nvme(nvme)))[0])
+        got.update(train_with_grad_norms(base(ck, *ZERO3, *_tiers("both", nvme)))[0])
     finally:
         del os.environ["MEGALITE_FAULT"]
     got.update(train_with_grad_norms(base(ck, *ZERO1, "--tp", "2", "--load", ck,
                                           "--exit-interval", "4"))[0])
-    got.update(train_with_grad_norms(base(ck, *ZERO3, *_nvme(nvme), "--load", ck))[0])
+    got.update(train_with_grad_norms(base(ck, *ZERO3, *_nvme(nvme), "--param-offload-device",
+                                          "cpu", "--load", ck))[0])
     return want, got
 
 
 def test_nvme_tier_curves_at_tp2_pp2_dp2_zero3(data, tmp_path):
-    layouts = {"zero3 tp2 pp2 dp2": ZERO3 + ["--tp", "2", "--pp", "2"]}
+    layouts = {"zero3 tp2 pp2 dp2": (ZERO3 + ["--tp", "2", "--pp", "2"], ("both",))}
     _check_parity(run_on_ranks(8, _curves, data, str(tmp_path), layouts)[0])
 
 
