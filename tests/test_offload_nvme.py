@@ -233,6 +233,8 @@ def test_tier_file_holds_the_planners_bytes_in_sub_groups(tmp_path, dtype, strat
     ({"optimizer_cpu_offload": True, "optimizer_offload_device": "nvme",
       "offload_nvme_path": "/tmp"},
      "--optimizer-cpu-offload is --optimizer-offload-device cpu: it cannot go with"),
+    ({"param_offload_device": "nvme"},
+     "--param-offload-device nvme needs --offload-nvme-path DIR"),
 ])
 def test_tier_flag_combinations_are_one_line(fields, line):
     from megalite.config import OptimizerConfig
@@ -249,6 +251,39 @@ def test_the_tier_needs_a_sharded_strategy():
         RunLayout.from_configs(configs, 2)
     assert str(error.value).startswith(
         "--optimizer-offload-device nvme needs a sharded --data-parallel-sharding-strategy")
+
+
+@pytest.mark.parametrize("flags,line", [
+    (ZERO1, "--param-offload-device nvme moves ZeRO-3's sharded parameters: it needs "
+            "--data-parallel-sharding-strategy optim_grads_params (got optim)"),
+    (ZERO3 + ["--optimizer-offload-device", "cpu"],
+     "--param-offload-device nvme cannot go with the cpu optimizer tier"),
+    (ZERO3 + ["--async-save"], "--param-offload-device nvme cannot go with --async-save"),
+])
+def test_the_param_tier_refuses_with_one_line(flags, line):
+    from megalite.config import parse_configs
+    from megalite.layout import RunLayout
+    configs = parse_configs(["--num-layers", "4", *flags, *_tiers("params", "/tmp")])
+    with pytest.raises(ValueError) as error:
+        RunLayout.from_configs(configs, 2)
+    assert str(error.value).startswith(line) and "\n" not in str(error.value)
+
+
+def test_the_planner_moves_the_sharded_parameters_to_the_param_tier():
+    """ZeRO-3 over 4 ranks in bf16 holds 16/4 B/param (FSDP2's fp32 masters, grads, Adam):
+    the parameter tier moves the parameters' 4/4 to host memory or files, off the device;
+    with the optimizer's nvme tier too, 12/4 are in files."""
+    from megalite.config import OptimizerConfig
+    from megalite.planning.state_bytes import state_bytes_per_param
+    plain = state_bytes_per_param("bf16", "optim_grads_params", 4)
+    assert plain.device == 4
+    cpu = state_bytes_per_param("bf16", "optim_grads_params", 4, param_tier="cpu")
+    assert (cpu.host, cpu.nvme, cpu.device) == (1, 0, 3)
+    nvme = state_bytes_per_param("bf16", "optim_grads_params", 4, param_tier="nvme")
+    assert (nvme.host, nvme.nvme, nvme.device) == (0, 1, 3)
+    both = state_bytes_per_param("bf16", "optim_grads_params", 4, False,
+                                 OptimizerConfig(), True, "nvme")
+    assert (both.nvme, both.device) == (3, 1)
 
 
 RSS_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",

@@ -8,7 +8,8 @@
     python tools/plan.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \
         --vocab-size 51200 --seq-length 2048 --dp 8 --micro-batch-size 1 --bf16 \
         --data-parallel-sharding-strategy optim_grads_params --optimizer-offload-device nvme \
-        --offload-nvme-path /nvme --max-model --host-memory-gib 1024 --disk-gib 3500
+        --offload-nvme-path /nvme --param-offload-device nvme --max-model \
+        --host-memory-gib 1024 --disk-gib 3500
 
 Model, layout, precision and recompute flags are megalite's own (megalite.config); the
 formulas are in megalite/planning/. `--validate` prints (a) the estimate against the
@@ -96,17 +97,20 @@ def _size(n: float) -> str:
 
 
 def tier_report(p: Plan, args: argparse.Namespace) -> list[str]:
-    """Where the optimizer lives, its host and file bytes per node and the tier's I/O."""
+    """Where the optimizer and the parameters live, the tiers' host and file bytes per node
+    and their I/O."""
     gpu, host, disk = node_bytes(p, args.gpus_per_node)
     tier = "nvme" if p.layout.nvme_offload else "cpu" if p.layout.cpu_offload else "none"
-    lines = [f"Offload tier {tier}: per node ({min(args.gpus_per_node, p.layout.world_size)} "
+    ranks = min(args.gpus_per_node, p.layout.world_size)
+    lines = [f"Offload tier {tier}, parameters {p.layout.param_tier}: per node ({ranks} "
              f"ranks) {_size(host)} of host memory (fits {args.host_memory_gib:g} GiB: "
              f"{'yes' if host <= args.host_memory_gib * GIB else 'NO'}), {_size(disk)} of "
              f"files (fits {args.disk_gib:g} GiB: {'yes' if disk <= args.disk_gib * GIB else 'NO'})"]
-    if p.layout.nvme_offload:
+    if p.layout.nvme_offload or p.layout.param_tier == "nvme":
         io, seconds = p.tier_io_seconds(args.disk_gbps)
-        lines.append(f"  nvme tier I/O per step per rank: {_size(io)} (its file read and "
-                     f"written once), {seconds:.3g} s at {args.disk_gbps:g} GB/s")
+        lines.append(f"  nvme tiers' I/O per step per rank: {_size(io)} (the optimizer's file "
+                     f"read and written once, the parameters' read 3 times and written once "
+                     f"(2 reads under PP)), {seconds:.3g} s at {args.disk_gbps:g} GB/s")
     return lines
 
 
@@ -127,6 +131,7 @@ def report(p: Plan, peak_tflops: float, mfu: float, capacity_gib: float,
         f"{m.recompute_granularity or 'none'}, sharding {p.layout.sharding}"
         f"{' with optimizer CPU offload' if p.layout.cpu_offload else ''}"
         f"{' with the optimizer on NVMe' if p.layout.nvme_offload else ''}"
+        f"{f', parameters in {p.layout.param_tier}' if p.layout.param_tier != 'none' else ''}"
         f"{', sequence parallel' if p.sequence_parallel else ''}",
         "", f"Memory per GPU (GiB)                  {'first stage':>12} {'last stage':>12}"]
     first, last = p.stages["first"], p.stages["last"]

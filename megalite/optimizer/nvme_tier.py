@@ -21,8 +21,9 @@ megalite's are). State the optimizer creates lazily on its first step is copied 
 buffer and written with the rest.
 
 The file lives in a fresh directory (tempfile.mkdtemp) under --offload-nvme-path, removed
-by `close()` at the end of train (or when the optimizer goes or the process exits); a killed run's directory has another name and
-is never read: a new run writes its file from the model before the first step. Checkpoints
+by `close()` at the end of train (or when the optimizer goes or the process exits); a killed
+run's directory has another name and is never read: a new run writes its file from the
+model before the first step. Checkpoints
 read the state through `resident()`: every fragment's master and state as whole host
 tensors, the layout the in-memory optimizer has, written back to the file at its end.
 """
