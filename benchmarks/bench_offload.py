@@ -1,4 +1,5 @@
-"""The optimizer's offload tiers on CPU ranks: no offload, the cpu tier, the nvme tier.
+"""The offload tiers on CPU ranks: no offload, the optimizer's cpu and nvme tiers, and (ZeRO-3)
+the nvme tiers of the optimizer and the parameters together.
 
     python benchmarks/bench_offload.py [--hidden-size 768 --num-layers 12 --vocab-size 32000
                                         --seq-length 64 --steps 3 --nvme-path /tmp]
@@ -14,7 +15,12 @@ one table; asserts nothing. Per configuration, on rank 0:
   the model is built) less the resident set at that moment: model, grads, optimizer, the
   tier's buffers, activations and transients; and the cpu tier's minus this one's in bytes per
   parameter of the rank's shard (the issue's target for nvme: at least 10);
-- tier I/O: bytes the nvme tier read and wrote per step (its file, once each way), and the
+- nvme+p (with `--strategy optim_grads_params` only): the optimizer's nvme tier and the
+  parameter tier on nvme (`--param-offload-device nvme`): each FSDP unit's sharded
+  parameters in a file between uses; on CPU ranks the shards are host memory, so its peak
+  RSS shows them gone (FSDP2's gathered copies, the units in flight and the grads remain);
+- tier I/O: bytes the nvme tiers read and wrote per step (the optimizer's file once each
+  way; the parameters' read for forward, backward and the step, written once), and the
   time they take at the disk bandwidth measured in the same run: a `--probe-mib` file written
   with fsync and read back after posix_fadvise(DONTNEED) dropped it from the page cache (so
   both figures are the disk's). The tier's own reads are not kept out of the page cache: where
@@ -67,14 +73,17 @@ def measure(argv: list[str], steps: int) -> dict:
     def step() -> float:
         return train_step(pretrain_gpt.forward_step, iter([{"tokens": tokens}]), model,
                           optimizer, layout)[0]
+    tiers = [t for t in [optimizer.tier, *(getattr(c, "param_tier", None) for c in model)] if t]
+
+    def io() -> tuple[int, int]:
+        return sum(t.bytes_read for t in tiers), sum(t.bytes_written for t in tiers)
     step()
-    tier = optimizer.tier
-    io = (tier.bytes_read, tier.bytes_written) if tier else (0, 0)
+    before = io()
     times = [timed(step, barrier=True)[0] for _ in range(steps)]
-    if tier:
-        io = ((tier.bytes_read - io[0]) / steps, (tier.bytes_written - io[1]) / steps)
+    after = io()
     return {"time": statistics.median(times), "rss": (_kib("VmHWM:") - start) * 1024,
-            "shard": sum(f.grad.numel() for f in optimizer.fragments), "io": io}
+            "shard": sum(f.grad.numel() for f in optimizer.fragments),
+            "io": ((after[0] - before[0]) / steps, (after[1] - before[1]) / steps)}
 
 
 def disk_bandwidth(path: str, mib: int) -> tuple[float, float]:
@@ -118,13 +127,15 @@ def main() -> None:
     tiers = {"none": [], "cpu": ["--optimizer-offload-device", "cpu"],
              "nvme": ["--optimizer-offload-device", "nvme", "--offload-nvme-path",
                       args.nvme_path, "--offload-sub-group-size", str(args.sub_group_size)]}
+    if args.strategy == "optim_grads_params":
+        tiers["nvme+p"] = tiers["nvme"] + ["--param-offload-device", "nvme"]
     write, read = disk_bandwidth(args.nvme_path, args.probe_mib)
     print(f"disk under {args.nvme_path}: write {write:.2f} GB/s (fsync), read {read:.2f} GB/s "
           f"(page cache dropped), {args.probe_mib} MiB probe")
     print(f"Llama-shaped, {args.num_layers} layers, hidden {h}, vocab {args.vocab_size}, seq "
           f"{args.seq_length}, micro batch {args.micro_batch_size}; DP {args.ranks} "
           f"{args.strategy}; sub-group {args.sub_group_size:,} params; rank 0\n")
-    print(f"{'precision':9} {'tier':5} {'s/step':>7} {'vs cpu':>7} {'peak RSS MiB':>12} "
+    print(f"{'precision':9} {'tier':6} {'s/step':>7} {'vs cpu':>7} {'peak RSS MiB':>12} "
           f"{'cpu-this B/param':>16} {'read MiB/step':>13} {'written':>8} {'disk s':>7}")
     mib = 2 ** 20
     for precision in ("fp32", "bf16"):
@@ -137,7 +148,7 @@ def main() -> None:
         for tier, r in results.items():
             saved = (cpu["rss"] - r["rss"]) / r["shard"]
             disk = r["io"][0] / (read * 1e9) + r["io"][1] / (write * 1e9)
-            print(f"{precision:9} {tier:5} {r['time']:7.3f} {r['time'] / cpu['time']:6.2f}x "
+            print(f"{precision:9} {tier:6} {r['time']:7.3f} {r['time'] / cpu['time']:6.2f}x "
                   f"{r['rss'] / mib:12.1f} {saved:16.2f} {r['io'][0] / mib:13.1f} "
                   f"{r['io'][1] / mib:8.1f} {disk:7.2f}", flush=True)
 

@@ -232,10 +232,6 @@ class ParamTier:
             t.untyped_storage().resize_(0)
         unit.resident, unit.staging = False, None
 
-    def resident_bytes(self) -> int:
-        """Bytes of the units' shards allocated now."""
-        return sum(t.untyped_storage().nbytes() for u in self.units for t in u.shards())
-
     @contextlib.contextmanager
     def resident(self, changed: bool = False) -> Iterator[None]:
         """Every unit's shards resident inside; `changed` (they are written): the tier's
@@ -251,9 +247,13 @@ class ParamTier:
             for unit in self.units:
                 unit.dirty = unit.dirty or changed
                 self._free(unit)
-            self.last = None
-            if self.first is not None:
-                self._load(self.units[self.first])
+            self.next_pass()
+
+    def next_pass(self) -> None:
+        """Between passes: read ahead the first unit the last step used."""
+        self.last = None
+        if self.first is not None:
+            self._load(self.units[self.first])
 
     def close(self) -> None:
         """Every unit's shards back on the device, FSDP2's methods unwrapped, the reader
@@ -278,6 +278,50 @@ def attach_param_tier(root: nn.Module, units: list[nn.Module], where: str,
     groups = [g for g in (m._get_fsdp_state()._fsdp_param_group for m in [*units, root])
               if g is not None]
     return ParamTier(groups, where, path, dist.get_rank() if dist.is_initialized() else 0)
+
+
+class SteppedUnits:
+    """The parameter tiers' side of a step the optimizer's nvme tier takes sub-group by
+    sub-group (megalite.optimizer.nvme_tier.NvmeTier.step): the units holding a sub-group's
+    parameters are made resident before it steps (`need`; read ahead with the sub-group
+    before it, `ahead`), and each is written back and freed once its last piece has stepped
+    (`done`), so the device holds a few units, not all, during the step.
+
+    `chunks`: the model chunks (their `param_tier`s); `params[i]`: fragment i's parameter;
+    `pieces[k]`: the fragment index of each piece of sub-group k."""
+
+    def __init__(self, chunks: list[nn.Module], params: list[nn.Parameter],
+                 pieces: list[list[int]]) -> None:
+        where = {id(p.sharded_param): (tier, unit)
+                 for tier in (getattr(c, "param_tier", None) for c in chunks) if tier
+                 for unit in tier.units for p in unit.group.fsdp_params}
+        self.tiers = {id(tier): tier for tier, _ in where.values()}.values()
+        self.units = [[where[id(params[i])] for i in group if id(params[i]) in where]
+                      for group in pieces]
+        self.left: dict[int, int] = {}
+        for group in self.units:
+            for _, unit in group:
+                self.left[id(unit)] = self.left.get(id(unit), 0) + 1
+
+    def ahead(self, k: int) -> None:
+        for tier, unit in self.units[k]:
+            tier._load(unit)
+
+    def need(self, k: int) -> None:
+        for tier, unit in self.units[k]:
+            tier._wait(unit)
+
+    def done(self, k: int, left: dict[int, int]) -> None:
+        """Sub-group k stepped; `left`: each unit's pieces still to step (this step's)."""
+        for tier, unit in self.units[k]:
+            left[id(unit)] -= 1
+            if left[id(unit)] == 0:
+                unit.dirty = True
+                tier._free(unit)
+
+    def finish(self) -> None:
+        for tier in self.tiers:
+            tier.next_pass()
 
 
 def _remove(fd: int, directory: str) -> None:

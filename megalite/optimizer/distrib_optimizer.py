@@ -12,7 +12,7 @@ FullyShardedOptimizer steps the shards of fully sharded chunks (ZeRO-2/3) in pla
 from torch import nn
 
 from megalite.distributed.fsdp import fsdp_shard_start
-from megalite.distributed.param_tier import params_resident
+from megalite.distributed.param_tier import SteppedUnits, params_resident
 from megalite.mpu import parallel_state
 from megalite.optimizer.optimizer import Fragment, MixedPrecisionOptimizer
 
@@ -77,9 +77,16 @@ class FullyShardedOptimizer(DistributedOptimizer):
     def apply(self, grad_norm: float, found_inf: bool, loss_is_finite: bool = True
               ) -> tuple[bool, float | None]:
         """MixedPrecisionOptimizer.apply with the parameter tier's shards resident (written
-        back to the tier after the step; megalite.distributed.param_tier)."""
-        with params_resident(self.model_chunks, changed=True):
-            return super().apply(grad_norm, found_inf, loss_is_finite)
+        back to the tier after the step; megalite.distributed.param_tier): all of them, or
+        with the optimizer's nvme tier those of the sub-group stepping."""
+        if self.tier is None:
+            with params_resident(self.model_chunks, changed=True):
+                return super().apply(grad_norm, found_inf, loss_is_finite)
+        if any(getattr(c, "param_tier", None) for c in self.model_chunks):
+            self.tier.params = SteppedUnits(
+                self.model_chunks, [f.model_param for f in self.fragments],
+                [[p.index for p in group.pieces] for group in self.tier.groups])
+        return super().apply(grad_norm, found_inf, loss_is_finite)
 
     def _copy_main_to_model(self) -> None:
         """Nothing: the masters are the sharded params."""

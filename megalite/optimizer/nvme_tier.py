@@ -183,6 +183,7 @@ class NvmeTier:
         self.buffers = [torch.empty(numel, dtype=torch.float32, pin_memory=pin)
                         for _ in range(BUFFERS)]
         self.reader, self.writer = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+        self.params = None  # megalite.distributed.param_tier.SteppedUnits, with the param tier
         self.write_masters(fresh=True)
 
     def close(self) -> None:
@@ -227,6 +228,7 @@ class NvmeTier:
         after: list[dict] = [{} for _ in self.fragments]
         reads: dict[int, Future] = {}
         writes: dict[int, Future] = {}
+        params, left = self.params, dict(self.params.left) if self.params else {}
         if self.groups:
             reads[0] = self._submit_read(self.groups[0], self.buffers[0])
         for k, group in enumerate(self.groups):
@@ -236,11 +238,19 @@ class NvmeTier:
                     writes.pop(k - 2).result()
                 reads[k + 1] = self._submit_read(self.groups[k + 1],
                                                  self.buffers[(k + 1) % BUFFERS])
+                if params:
+                    params.ahead(k + 1)
+            if params:
+                params.need(k)
             buffer = self.buffers[k % BUFFERS]
             self._step_group(optimizer, group, buffer, clip_coef, before, after)
+            if params:
+                params.done(k, left)
             writes[k] = self._submit_write(group, buffer)
         for future in writes.values():
             future.result()
+        if params:
+            params.finish()
         for i, f in enumerate(self.fragments):
             if self.sources[i].numel():  # an empty shard is never stepped
                 optimizer.state[f.main] = after[i]
