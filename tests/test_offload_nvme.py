@@ -4,14 +4,16 @@ and the parameters' (--param-offload-device, megalite.distributed.param_tier).
 Parity: the loss and global grad-norm curves equal those of the same layout without offload
 (fp32, Adam with clipping active, a constant learning rate; 3 steps) with the optimizer tier
 at DP2 ZeRO-1, DP2 ZeRO-3 and at DP2 ZeRO-1 in bf16, whose fp32 masters live in the file; with
-the parameter tier (nvme) at DP2 ZeRO-3; with both at TP2 x PP2 x DP2 ZeRO-3. Sub-groups of
+the parameter tier (nvme) at DP2 ZeRO-3; with both at DP2 and TP2 x PP2 x DP2 ZeRO-3. Sub-groups of
 700 parameters: fragments span sub-groups and the three buffers are reused. Every run leaves
 its scratch directories removed when train() returns (closed, not garbage collected).
 
-Device-resident parameters: in the DP2 ZeRO-3 parameter-tier run, at each layer's forward
-(after the first step, whose units start resident) the live storage bytes of all sharded
-parameters are at most the units in flight: 2 layers' shards (the one gathering and the one
-read ahead), (12 h^2 + 13 h) * 4 / DP bytes each.
+Device-resident parameters, DP2 ZeRO-3: at each layer's forward (after the first step, whose
+units start resident) the live storage bytes of all sharded parameters are at most the units
+in flight, 2 layers' shards (the one gathering and the one read ahead; (12 h^2 + 13 h) * 4 /
+DP bytes each), with the parameter tier alone and with both tiers; with both, at each
+sub-group the optimizer steps, at most the units of two sub-groups (700 elements, less than
+a layer's shard): 2 layers' shards and the root unit's (embedding, final norm).
 
 Resume chain: a run with both nvme tiers at DP2 ZeRO-3 stopped by SIGTERM after step 2
 (checkpoint read through the tiers), resumed without them at TP2 with the distributed
@@ -52,12 +54,12 @@ def _tiers(variant: str, path: str) -> list[str]:
 
 
 def _curves(prefix: str, root: str, layouts: dict[str, tuple[list[str], tuple[str, ...]]],
-            watch: str | None = None) -> dict:
+            watch: tuple[str, ...] = ()) -> dict:
     """{name: ((losses, grad norms) without offload, {variant: those with its tiers}, files
-    left in the nvme directory once every rank's train() returned)}; `watch`: the variant
-    whose parameter tier's resident bytes are recorded at each layer's forward
-    (`_watch_resident`; under "resident")."""
-    out, resident = {}, []
+    left in the nvme directory once every rank's train() returned)}; the runs of the
+    variants in `watch` record the parameter tier's resident bytes (`_watch_resident`),
+    under "resident": {variant: {"forward": [...], "step": [...]}}."""
+    out, resident = {}, {}
     for name, (flags, variants) in layouts.items():
         nvme = os.path.join(root, f"nvme-{name}")
         os.makedirs(nvme, exist_ok=True)
@@ -65,36 +67,44 @@ def _curves(prefix: str, root: str, layouts: dict[str, tuple[list[str], tuple[st
             tiny_args(prefix, os.path.join(root, f"{name}-{tier}"), 3, *EXACT, *flags, *extra))
         plain, tiered = run("none"), {}
         for variant in variants:
-            with _watch_resident(resident, variant == watch):
+            record = {"forward": [], "step": []}
+            with _watch_resident(record, variant in watch):
                 tiered[variant] = run(variant, *_tiers(variant, nvme))
+            if variant in watch:
+                resident[variant] = record
         dist.barrier()  # every rank's tiers are closed
         out[name] = (plain, tiered, os.listdir(nvme))
     return {**out, "resident": resident} if watch else out
 
 
 @contextlib.contextmanager
-def _watch_resident(record: list, on: bool):
-    """While on: the chunks' parameter tiers, once attached, append at each transformer
-    layer's forward the live storage bytes of every sharded parameter of the chunk."""
+def _watch_resident(record: dict, on: bool):
+    """While on: once the chunks' parameter tiers are attached, the live storage bytes of
+    every sharded parameter of the chunk appended to record["forward"] at each transformer
+    layer's forward and to record["step"] at each sub-group the optimizer's nvme tier steps."""
     from megalite.distributed import fsdp
     from megalite.models.transformer import ParallelTransformerLayer
-    attach = fsdp.attach_param_tier
+    from megalite.optimizer.nvme_tier import NvmeTier
+    attach, step_group, params = fsdp.attach_param_tier, NvmeTier._step_group, []
+    live = lambda: sum(p._local_tensor.untyped_storage().nbytes() for p in params)  # noqa
 
     def attach_and_watch(root, units, where, path):
         tier = attach(root, units, where, path)
-        params = [p.sharded_param for unit in tier.units for p in unit.group.fsdp_params]
-        live = lambda *_: record.append(sum(  # noqa: E731
-            p._local_tensor.untyped_storage().nbytes() for p in params))
+        params.extend(p.sharded_param for unit in tier.units for p in unit.group.fsdp_params)
         for layer in root.modules():
             if isinstance(layer, ParallelTransformerLayer):
-                layer.register_forward_pre_hook(live)
+                layer.register_forward_pre_hook(lambda *_: record["forward"].append(live()))
         return tier
+
+    def watched_step_group(*args, **kwargs):
+        record["step"].append(live())
+        return step_group(*args, **kwargs)
     if on:
-        fsdp.attach_param_tier = attach_and_watch
+        fsdp.attach_param_tier, NvmeTier._step_group = attach_and_watch, watched_step_group
     try:
         yield
     finally:
-        fsdp.attach_param_tier = attach
+        fsdp.attach_param_tier, NvmeTier._step_group = attach, step_group
 
 
 @pytest.fixture(scope="module")
@@ -113,19 +123,25 @@ def _check_parity(results: dict) -> None:
 def test_nvme_tier_curves_and_resume_at_dp2(data, tmp_path):
     """One 2-rank task: parity at ZeRO-1, ZeRO-3 (each tier) and bf16 ZeRO-1, the parameter
     tier's device-resident bytes; then the resume chain."""
-    layouts = {"zero1": (ZERO1, ("optimizer",)), "zero3": (ZERO3, ("optimizer", "params")),
+    layouts = {"zero1": (ZERO1, ("optimizer",)),
+               "zero3": (ZERO3, ("optimizer", "params", "both")),
                "bf16 zero1": (ZERO1 + ["--bf16"], ("optimizer",))}
-    results = run_on_ranks(2, _curves, data, str(tmp_path), layouts, "params")
+    results = run_on_ranks(2, _curves, data, str(tmp_path), layouts, ("params", "both"))
     resident = [r.pop("resident") for r in results]
     _check_parity(results[0])
     hidden, layers, microbatches = 32, 4, 2  # tiny_args: global batch 8 = 2 x micro 2 x DP2
-    layer_shard = (12 * hidden ** 2 + 13 * hidden) * 4 // 2  # fp32, halved over DP2
-    for watched in resident:
-        assert len(watched) == 3 * layers * microbatches  # 3 steps
-        after_first_step = watched[layers * microbatches:]
-        print(f"resident sharded parameter bytes at the layers' forwards: "
-              f"{max(after_first_step)}, bound {2 * layer_shard}")
-        assert 0 < max(after_first_step) <= 2 * layer_shard, watched
+    layer = (12 * hidden ** 2 + 13 * hidden) * 4 // 2  # a layer's fp32 shard over DP2
+    root = ((128 + 16) * hidden + 2 * hidden) * 4 // 2  # tied embedding (vocab padded to 128),
+    for watched in resident:  # positions, final norm
+        for variant, record in watched.items():
+            forward = record["forward"][layers * microbatches:]  # the first step starts resident
+            assert len(forward) == 2 * layers * microbatches
+            print(f"{variant}: resident sharded parameter bytes at the layers' forwards "
+                  f"{max(forward)}, bound {2 * layer}; at the step's sub-groups "
+                  f"{max(record['step'], default=None)}, bound {2 * layer + root}, all "
+                  f"{layers * layer + root}")
+            assert 0 < max(forward) <= 2 * layer, record
+        assert 0 < max(watched["both"]["step"]) <= 2 * layer + root, watched
     chain = run_on_ranks(2, _resume_chain, data, str(tmp_path / "chain"))[0]
     want, got = chain
     assert sorted(got) == list(range(1, 7))
