@@ -14,7 +14,9 @@ one table; asserts nothing. Per configuration, on rank 0:
 - peak RSS: the resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs before
   the model is built) less the resident set at that moment: model, grads, optimizer, the
   tier's buffers, activations and transients; and the cpu tier's minus this one's in bytes per
-  parameter of the rank's shard (the issue's target for nvme: at least 10);
+  parameter of the rank's shard (the issue's target for nvme: at least 10); steady: the same
+  over the timed steps only (the high-water mark reset after the warm-up step: the parameter
+  tier's units start resident, so its saving shows only there);
 - nvme+p (with `--strategy optim_grads_params` only): the optimizer's nvme tier and the
   parameter tier on nvme (`--param-offload-device nvme`): each FSDP unit's sharded
   parameters in a file between uses; on CPU ranks the shards are host memory, so its peak
@@ -78,10 +80,13 @@ def measure(argv: list[str], steps: int) -> dict:
     def io() -> tuple[int, int]:
         return sum(t.bytes_read for t in tiers), sum(t.bytes_written for t in tiers)
     step()
-    before = io()
+    first_peak, before = _kib("VmHWM:"), io()
+    with open("/proc/self/clear_refs", "w") as clear:  # the timed steps' own high-water mark
+        clear.write("5")
     times = [timed(step, barrier=True)[0] for _ in range(steps)]
-    after = io()
-    return {"time": statistics.median(times), "rss": (_kib("VmHWM:") - start) * 1024,
+    after, steady = io(), _kib("VmHWM:")
+    return {"time": statistics.median(times), "rss": (max(first_peak, steady) - start) * 1024,
+            "steady": (steady - start) * 1024,
             "shard": sum(f.grad.numel() for f in optimizer.fragments),
             "io": ((after[0] - before[0]) / steps, (after[1] - before[1]) / steps)}
 
@@ -136,7 +141,8 @@ def main() -> None:
           f"{args.seq_length}, micro batch {args.micro_batch_size}; DP {args.ranks} "
           f"{args.strategy}; sub-group {args.sub_group_size:,} params; rank 0\n")
     print(f"{'precision':9} {'tier':6} {'s/step':>7} {'vs cpu':>7} {'peak RSS MiB':>12} "
-          f"{'cpu-this B/param':>16} {'read MiB/step':>13} {'written':>8} {'disk s':>7}")
+          f"{'cpu-this B/param':>16} {'steady MiB':>10} {'read MiB/step':>13} {'written':>8} "
+          f"{'disk s':>7}")
     mib = 2 ** 20
     for precision in ("fp32", "bf16"):
         results = {}
@@ -149,7 +155,8 @@ def main() -> None:
             saved = (cpu["rss"] - r["rss"]) / r["shard"]
             disk = r["io"][0] / (read * 1e9) + r["io"][1] / (write * 1e9)
             print(f"{precision:9} {tier:6} {r['time']:7.3f} {r['time'] / cpu['time']:6.2f}x "
-                  f"{r['rss'] / mib:12.1f} {saved:16.2f} {r['io'][0] / mib:13.1f} "
+                  f"{r['rss'] / mib:12.1f} {saved:16.2f} {r['steady'] / mib:10.1f} "
+                  f"{r['io'][0] / mib:13.1f} "
                   f"{r['io'][1] / mib:8.1f} {disk:7.2f}", flush=True)
 
 
