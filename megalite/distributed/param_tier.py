@@ -13,13 +13,14 @@ unit (its FSDPParamGroup) are wrapped, on the instance:
   flight; then the unit that followed it last time in that pass (forward or backward, learnt
   as the run goes) starts loading on a reader thread while this one all-gathers and computes.
 - `wait_for_unshard` (the all-gather has been consumed): the shards are freed. They are
-  clean then: only `resident(changed=True)` (the optimizer step, a checkpoint load) changes
-  them, and it writes them back on exit; the first use writes the initial values.
+  clean then: only the optimizer step and a checkpoint load change them, and write them back
+  to the tier; the first use writes the initial values.
 
 So the device holds the shards of the units in flight (the one gathering, the one being
-read ahead) rather than all of them; FSDP2's gathered parameters are what they were. The
-optimizer step, checkpoints and anything else that reads or writes the shards between
-passes go through `params_resident(chunks)`. "cpu": a host copy per unit (pinned on CUDA;
+read ahead) rather than all of them; FSDP2's gathered parameters are what they were.
+Checkpoints and the in-memory optimizer's step bring all shards back inside
+`params_resident(chunks)`; a step of the optimizer's nvme tier brings in those of the
+sub-group it steps (`SteppedUnits`). "cpu": a host copy per unit (pinned on CUDA;
 on a CPU machine the shards are host memory already: it moves them and saves nothing);
 "nvme": one file per rank in a fresh directory under --offload-nvme-path, read and written
 with os.preadv / os.pwritev (on CUDA through a pinned staging buffer per unit in flight).
@@ -41,9 +42,6 @@ import torch
 from torch import nn
 
 from megalite import device
-
-PARAM_TIERS = ("none", "cpu", "nvme")
-
 
 @dataclass(eq=False)
 class Unit:
@@ -98,6 +96,7 @@ def _scatter(host: torch.Tensor, shards: list[torch.Tensor]) -> None:
 
 
 def _gather(shards: list[torch.Tensor], host: torch.Tensor) -> None:
+    """The shards' bytes into `host`, back to back."""
     at = 0
     for t in shards:
         n = t.numel() * t.element_size()
@@ -110,7 +109,7 @@ class ParamTier:
     on `where` ("cpu" or "nvme"; `path`: the nvme directory). See the module docstring."""
 
     def __init__(self, groups: list, where: str, path: str | None = None, rank: int = 0) -> None:
-        self.where, self.units, offset = where, [], 0
+        self.units, offset = [], 0
         for group in groups:
             nbytes = sum(t.numel() * t.element_size() for t in
                          (p._sharded_param_data for p in group.fsdp_params))
