@@ -120,6 +120,9 @@ class ParamTier:
         self.last: tuple[int, str] | None = None
         self.first: int | None = None  # the first unit a step used
         self.pin = device.device_type() == "cuda"
+        if not self.pin:  # host shards: freed ones leave the process (glibc)
+            from megalite.optimizer.nvme_tier import pin_mmap_threshold  # (import cycle)
+            pin_mmap_threshold()
         self.reader, self.directory, self.fd = ThreadPoolExecutor(1), None, None
         if where == "nvme":
             os.makedirs(path, exist_ok=True)
@@ -249,7 +252,11 @@ class ParamTier:
             self.next_pass()
 
     def next_pass(self) -> None:
-        """Between passes: read ahead the first unit the last step used."""
+        """Between passes (after a step): read ahead the first unit the last step used; on
+        CPU hand the heap's free pages back to the system (the shards allocated before the
+        mmap threshold was pinned came from the heap, and freeing them left holes there)."""
+        if not self.pin:
+            _trim_heap()
         self.last = None
         if self.first is not None:
             self._load(self.units[self.first])
@@ -321,6 +328,14 @@ class SteppedUnits:
     def finish(self) -> None:
         for tier in self.tiers:
             tier.next_pass()
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim(0): free heap pages back to the system (a no-op without glibc)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _remove(fd: int, directory: str) -> None:
