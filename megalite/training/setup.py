@@ -55,6 +55,9 @@ def log_model_state(configs: Configs, layout: RunLayout, model: list[torch.nn.Mo
     log(state_bytes.describe(precision, layout.sharding, g.dp * g.cp, g.ep,
                              layout.cpu_offload, stage - expert, expert,
                              gather, configs.optimizer, layout.param_tier))
+    if layout.param_tier == "cpu" and device.device_type() == "cpu":
+        log("--param-offload-device cpu on a CPU machine: the parameters are host memory "
+            "already; the tier moves them between uses and saves nothing")
     if configs.checkpoint.save:
         per_param, weights = planner.checkpoint_bytes_per_param(
             precision, configs.optimizer, layout.schedule.weight_versions)
