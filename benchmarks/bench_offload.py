@@ -54,6 +54,7 @@ def _kib(field: str) -> int:
 def measure(argv: list[str], steps: int) -> dict:
     """On every rank: peak RSS rise, median step time, the tier's bytes per step."""
     from megalite.config import parse_configs
+    from megalite.distributed.param_tier import close_param_tiers
     from megalite.layout import RunLayout
     from megalite.optimizer import get_optimizer
     from megalite.tasks import gpt as pretrain_gpt
@@ -85,6 +86,8 @@ def measure(argv: list[str], steps: int) -> dict:
         clear.write("5")
     times = [timed(step, barrier=True)[0] for _ in range(steps)]
     after, steady = io(), _kib("VmHWM:")
+    close_param_tiers(model)  # as train() does: the scratch directories go now
+    optimizer.close()
     return {"time": statistics.median(times), "rss": (max(first_peak, steady) - start) * 1024,
             "steady": (steady - start) * 1024,
             "shard": sum(f.grad.numel() for f in optimizer.fragments),
