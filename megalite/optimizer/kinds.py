@@ -60,6 +60,9 @@ class OptimizerKind:
     # fp32 bytes per parameter the reducer keeps on every rank over DP x CP = n, whatever the
     # sharding (the 1-bit family: momentum and worker error, server error / n)
     reducer_bytes: Callable[[int], float] = lambda n: 0.0
+    # the reducer's result depends on the whole bucket (1-bit chunk scales): TP-replicated
+    # params get buckets of their own, so that they stay the same on every TP rank
+    tp_replicated_apart: bool = False
 
     def make_reducer(self, config) -> ReducerFactory:
         """The DP buckets' ReducerFactory under `config`: `reducer`, given its settings."""
@@ -133,7 +136,7 @@ MUON = MuonKind("muon", build_muon, lambda config: ("momentum_buffer", "exp_avg"
 ONEBIT_ADAM = OptimizerKind("onebit_adam", build_onebit_adam,
                             lambda config: ("exp_avg", "exp_avg_sq"), scalar_keys=("step",),
                             reducer=MomentumReducer, reducer_settings=momentum_reducer_settings,
-                            check_run=check_onebit_run,
+                            check_run=check_onebit_run, tp_replicated_apart=True,
                             reducer_bytes=lambda n: FP32_BYTES * (2 + 1 / n))
 # LAMB's trust ratio needs whole weights: `attach` tells it where each weight's pieces are
 ONEBIT_LAMB = OptimizerKind("onebit_lamb", build_onebit_lamb,
@@ -141,7 +144,7 @@ ONEBIT_LAMB = OptimizerKind("onebit_lamb", build_onebit_lamb,
                             scalar_keys=("step", "coeff_freeze", "last_factor"),
                             attach=OnebitLamb.attach, reducer=MomentumReducer,
                             reducer_settings=momentum_reducer_settings,
-                            check_run=check_onebit_run,
+                            check_run=check_onebit_run, tp_replicated_apart=True,
                             reducer_bytes=lambda n: FP32_BYTES * (2 + 1 / n))
 OPTIMIZER_KINDS = (ADAM, SGD, MUON, ONEBIT_ADAM, ONEBIT_LAMB)
 
