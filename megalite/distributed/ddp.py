@@ -29,17 +29,18 @@ class DistributedDataParallel(ChunkWrapper):
     Expert parameters (`expert_parallel`, MoE) get buffers of their own, reduced over the
     expert-data-parallel group only (their other DP ranks hold other experts), still divided
     by the full DP size: each expert's grad already sums the tokens of its whole EP group.
-    With `tp_replicated_apart` and TP > 1, so do the TP-replicated parameters (neither split
-    over TP nor summed over it afterwards: norms, biases of row-parallel layers), whose grads
-    are the same on every TP rank: a reducer whose result depends on the whole bucket (the
-    1-bit compression's chunk scales) then gives them the same values on every TP rank.
+    With `replicas_apart`, parameters that are replicas of others get buckets of their own:
+    the TP-replicated ones (TP > 1; neither split over TP nor summed over it afterwards:
+    norms, biases of row-parallel layers) a grad buffer, the tied embedding (first and last
+    stage) a bucket. A reducer whose result depends on the whole bucket (the 1-bit
+    compression's chunk scales) then gives the replicas the same values.
     Calls and unknown attributes (`set_input_tensor`, `config`, ...) go to the wrapped module.
     """
 
     def __init__(self, module: nn.Module, bucket_size: int = 40_000_000,
                  overlap_grad_reduce: bool = True, use_distributed_optimizer: bool = False,
                  data_parallel_group=None, make_reducer: ReducerFactory = default_reducer,
-                 tp_replicated_apart: bool = False) -> None:
+                 replicas_apart: bool = False) -> None:
         super().__init__()
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -49,10 +50,10 @@ class DistributedDataParallel(ChunkWrapper):
                                         with_context_parallel=True)
                                     if data_parallel_group is None else data_parallel_group)
         params = [p for p in module.parameters() if p.requires_grad]
-        tied = frozenset(shared_embedding_params(module)) if use_distributed_optimizer \
-            else frozenset()
+        tied = frozenset(shared_embedding_params(module)) \
+            if use_distributed_optimizer or replicas_apart else frozenset()
         expert_group = parallel_state.get_expert_data_parallel_group()
-        apart = tp_replicated_apart and parallel_state.get_tensor_model_parallel_world_size() > 1
+        apart = replicas_apart and parallel_state.get_tensor_model_parallel_world_size() > 1
         by_kind: dict[tuple[torch.dtype, bool, bool], list[nn.Parameter]] = {}
         for param in params:
             expert = getattr(param, "expert_parallel", False)

@@ -125,5 +125,5 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
                                     overlap_grad_reduce=overlap,
                                     use_distributed_optimizer=strategy.shards_optimizer,
                                     make_reducer=kind.make_reducer(o),
-                                    tp_replicated_apart=kind.tp_replicated_apart)
+                                    replicas_apart=kind.replicas_apart)
             for chunk in chunks]
