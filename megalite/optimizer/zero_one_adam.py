@@ -18,8 +18,8 @@ interval that grows too. F = var freeze step, t the step (from 1), lr the step's
 
 Elements whose variance is 0 (no nonzero grad on any variance step yet: vocabulary padding
 rows, tokens not seen) keep m = 0 and take no part of u: a 1-bit value there would step by
-1 / eps (DeepSpeed's user-given exp_avg_mask, derived here). No bias correction (as DeepSpeed). Between synchronisations p and m differ across DP ranks;
-a, v and s do not. Each DP bucket's `ZeroOneReducer` (the megalite.distributed.reducers
+1 / eps (DeepSpeed's user-given exp_avg_mask, derived here). No bias correction (as
+DeepSpeed). Between synchronisations p and m differ across DP ranks; a, v and s do not. Each DP bucket's `ZeroOneReducer` (the megalite.distributed.reducers
 seam) moves the grads of the steps t <= F and holds the bucket's compressed all-reduce, with
 which the optimizer synchronises the bucket's elements (`attach` tells it where they are).
 Differences from DeepSpeed: its first step only initialises (no update), which shifts its
@@ -115,7 +115,8 @@ class ZeroOneReducer(GradReducer):
         return state
 
     def restart(self, steps: int, optimizer_state) -> None:
-        """Errors at 0; the params and momentum are the checkpoint's (DP rank 0's)."""
+        """Errors at 0; the params and momentum are the checkpoint's (between two
+        synchronisations: each piece as the DP rank that wrote it had it)."""
         self.steps, self.compressor = steps, None
 
     def load_state_dict(self, state: dict, group) -> None:
