@@ -371,9 +371,10 @@ def _both_layouts() -> dict:
 
 
 # 0/1 Adam: variance steps 1 and 2 (interval 1 for one step, then 2), 1-bit grads at step 3,
-# then local steps synchronised at steps 4, 6, 8, ... (interval 1 for one step, then 2)
+# then local steps synchronised at steps 4, 6, 8, ... (interval 1 for one step, then 2); eps
+# 1e-4: two variance steps leave tiny variances, where a 1-bit m / (sqrt(v) + eps) would jump
 ZERO_ONE = dict(var_freeze_step=3, var_update_scaler=1, local_step_scaler=1,
-                local_step_clipper=2)
+                local_step_clipper=2, adam_eps=1e-4)
 VARIANCE_STEPS, SYNC_STEPS, ZERO_ONE_STEPS = (1, 2), (4, 6), 6
 
 
@@ -410,9 +411,10 @@ class ZeroOneReference:
             if variance:
                 self.v = beta2 * self.v + (1 - beta2) * g * g
             self.m = torch.where(self.v > 0, self.m, 0.0)  # v = 0: no step of m / eps
-            self.p = self.p - LR * (self.m / (self.v.sqrt() + EPS) + self.wd * self.p)
+            d = self.v.sqrt() + ZERO_ONE["adam_eps"]
+            self.p = self.p - LR * (self.m / d + self.wd * self.p)
             return g
-        d = self.v.sqrt() + EPS
+        d = self.v.sqrt() + ZERO_ONE["adam_eps"]
         if self.local is None:  # the freeze: every rank starts from the anchor
             self.anchor, self.lr_sum = self.p, 0.0
             self.local = [(self.p, self.m)] * self.world
@@ -423,11 +425,11 @@ class ZeroOneReference:
                       for (p, _), m in zip(self.local, moments)]
         self.lr_sum += LR
         if step in SYNC_STEPS:
-            u = reference_allreduce([(p - self.anchor) * d for p, _ in self.local], self.worker,
-                                    self.server)
-            u = torch.where(self.v > 0, u, 0.0)
-            self.anchor = self.anchor + u / d
-            self.local = [(self.anchor, -u / self.lr_sum)] * self.world
+            delta = reference_allreduce([p - self.anchor for p, _ in self.local], self.worker,
+                                        self.server)
+            delta = torch.where(self.v > 0, delta, 0.0)
+            self.anchor = self.anchor + delta
+            self.local = [(self.anchor, -delta * d / self.lr_sum)] * self.world
             self.lr_sum = 0.0
         return None
 
@@ -477,10 +479,13 @@ def _zero_one_layout() -> dict:
 
 def test_zero_one_adam_at_tp2_pp2_dp2():
     """Variance steps, 1-bit averaged grads, local steps and 1-bit synchronisations == the
-    reference (fp32); the params differ over DP after a local step and are bitwise equal
+    reference (fp32, printed); the params differ over DP after a local step and are bitwise equal
     after a synchronisation; the TP-replicated params bitwise equal over TP."""
     for rank, r in enumerate(run_on_ranks(8, _zero_one_layout)):
-        assert r["grad_err"] <= 1e-5 and r["update_err"] <= 1e-5, (rank, r)
+        print(rank, r)
+        # relative to one step's update (~5e-3 on weights ~1 at step 1: fp32's last bit of
+        # the weights is 1.3e-5 of it)
+        assert r["grad_err"] <= 1e-5 and r["update_err"] <= 1e-4, (rank, r)
         assert r["dp_gaps"][5] > 0 and r["dp_gaps"][4] == r["dp_gaps"][6] == 0.0, (rank, r)
         assert r["tp_gap"] == 0.0 and r["replicated"] >= 6 and r["buckets"] >= 2, (rank, r)
 
