@@ -59,7 +59,8 @@ def main() -> None:
                               micro_batch_size=4, seed=1234)
     parser.add_argument("--train-iters", type=int, default=600)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--optimizers", default="adam,onebit_adam,zero_one_adam,onebit_lamb,muon")
+    # zero_one_adam diverges here for now (docs/optimizers.md): ask for it by name
+    parser.add_argument("--optimizers", default="adam,onebit_adam,onebit_lamb,muon")
     parser.add_argument("--freeze-share", type=float, default=0.15)
     parser.add_argument("--plot", default="docs/optimizer_curves.png")
     args = parser.parse_args()

@@ -425,11 +425,11 @@ class ZeroOneReference:
                       for (p, _), m in zip(self.local, moments)]
         self.lr_sum += LR
         if step in SYNC_STEPS:
-            delta = reference_allreduce([p - self.anchor for p, _ in self.local], self.worker,
-                                        self.server)
-            delta = torch.where(self.v > 0, delta, 0.0)
-            self.anchor = self.anchor + delta
-            self.local = [(self.anchor, -delta * d / self.lr_sum)] * self.world
+            u = reference_allreduce([(p - self.anchor) * d for p, _ in self.local], self.worker,
+                                    self.server)
+            u = torch.where(self.v > 0, u, 0.0)
+            self.anchor = self.anchor + u / d
+            self.local = [(self.anchor, -u / self.lr_sum)] * self.world
             self.lr_sum = 0.0
         return None
 

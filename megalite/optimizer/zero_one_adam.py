@@ -13,24 +13,20 @@ interval that grows too. F = var freeze step, t the step (from 1), lr the step's
         m = lerp(m, g_r, 1 - beta1); s += lr; p -= lr (m / (sqrt(v) + eps) + wd p)
     synchronisation (t > F, `sync_step`: the interval starts at 1, doubles after every
         `--local-step-scaler` steps, at most `--local-step-clipper`; t a multiple of it):
-        delta = the 1-bit average of p - a; m = -delta (sqrt(v) + eps) / s;
-        p = a = a + delta; s = 0
+        u = the 1-bit average of (p - a) (sqrt(v) + eps); m = -u / s;
+        p = a = a + u / (sqrt(v) + eps); s = 0
 
 Elements whose variance is 0 (no nonzero grad on any variance step yet: vocabulary padding
-rows, tokens not seen) keep m = 0 and take no part of delta: a 1-bit value there would step by
+rows, tokens not seen) keep m = 0 and take no part of u: a 1-bit value there would step by
 1 / eps (DeepSpeed's user-given exp_avg_mask, derived here). No bias correction (as
-DeepSpeed). Between synchronisations p and m differ across DP ranks; a, v and s do not. Each DP bucket's `ZeroOneReducer` (the megalite.distributed.reducers
-seam) moves the grads of the steps t <= F and holds the bucket's compressed all-reduce, with
+DeepSpeed). Between synchronisations p and m differ across DP ranks; a, v and s do not.
+Each DP bucket's `ZeroOneReducer` (the megalite.distributed.reducers seam) moves the grads of the steps t <= F and holds the bucket's compressed all-reduce, with
 which the optimizer synchronises the bucket's elements (`attach` tells it where they are).
 Differences from DeepSpeed: its first step only initialises (no update), which shifts its
 counts by one; it recovers the anchor as p minus the accumulated update (rounding apart on
 each rank), here the anchor is kept (4 bytes per parameter) so that every DP rank holds the
-same bits after a synchronisation; one scale per chunk (megalite.distributed.compressed);
-and it compresses the accumulated momentum u = delta (sqrt(v) + eps), tensor by tensor,
-where megalite compresses delta, whose elements Adam's preconditioning has evened out: a
-bucket mixes tensors in its chunks, and one 1-bit scale for u there gives the elements of
-small variance steps of scale / sqrt(v) (the pretraining benchmark diverged). Without
-compression the two are the same average.
+same bits after a synchronisation; one scale per chunk of a DP bucket, which mixes tensors
+(megalite.distributed.compressed; DeepSpeed compresses tensor by tensor).
 Needs whole parameters on every DP rank: no ZeRO (`check_zero_one_run`).
 """
 from collections.abc import Callable
@@ -213,16 +209,17 @@ class ZeroOneAdam(torch.optim.Optimizer):
         for bucket, entries in self.buckets:
             flat = torch.zeros(bucket.end - bucket.start, device=bucket.grad_data.device)
             for f, a, b in entries:
-                flat[a:b] = (f.main - self.state[f.main]["anchor"]).view(-1)
+                state = self.state[f.main]
+                flat[a:b] = ((f.main - state["anchor"]) * (state["exp_avg_sq"].sqrt() + eps)
+                             ).view(-1)
             with comm.count_bytes() as moved:
                 bucket.reducer.sync(flat, bucket.group)
             bucket.bytes_sent += sum(moved.values())
             for f, a, b in entries:
                 state = self.state[f.main]
-                delta = flat[a:b].view_as(f.main) * (state["exp_avg_sq"] > 0)
-                state["exp_avg"].copy_(delta * (state["exp_avg_sq"].sqrt() + eps)
-                                       / -state["lr_sum"])
-                f.main.copy_(state["anchor"] + delta)
+                averaged = flat[a:b].view_as(f.main) * (state["exp_avg_sq"] > 0)
+                state["exp_avg"].copy_(averaged / -state["lr_sum"])
+                f.main.copy_(state["anchor"] + averaged / (state["exp_avg_sq"].sqrt() + eps))
                 state["anchor"].copy_(f.main)
                 state["lr_sum"].zero_()
 
