@@ -10,7 +10,8 @@ one: the grad reductions, the ZeRO gathers, the step's loss and grad-norm reduct
 An optimizer this build does not know is skipped with one line. Muon runs with
 --muon-scale-mode spectral --muon-extra-scale-factor 0.2 (its update's RMS matched to AdamW's,
 so it shares AdamW's learning rate: Moonshot's recipe); the 1-bit optimizers freeze after
---freeze-share of the run (DeepSpeed's 15 %). --plot writes the validation curves (matplotlib).
+--freeze-share of the run (DeepSpeed's 15 %; zero_one_adam's variance there, its interval
+between synchronisations doubling every fifth of that up to 16). --plot writes the validation curves (matplotlib).
 Asserts nothing.
 """
 import contextlib
@@ -25,7 +26,9 @@ OWN_FLAGS = {"muon": lambda freeze: ["--muon-scale-mode", "spectral",
                                      "--muon-extra-scale-factor", "0.2"],
              "onebit_adam": lambda freeze: ["--freeze-step", str(freeze)],
              "onebit_lamb": lambda freeze: ["--freeze-step", str(freeze)],
-             "zero_one_adam": lambda freeze: ["--var-freeze-step", str(freeze)]}
+             # DeepSpeed's --local-step-scaler (32678) is for runs of 10^5 steps and more
+             "zero_one_adam": lambda freeze: ["--var-freeze-step", str(freeze),
+                                              "--local-step-scaler", str(max(1, freeze // 5))]}
 
 
 def train_counted(argv: list[str]) -> dict:
@@ -56,7 +59,8 @@ def main() -> None:
                               micro_batch_size=4, seed=1234)
     parser.add_argument("--train-iters", type=int, default=600)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--optimizers", default="adam,onebit_adam,zero_one_adam,onebit_lamb,muon")
+    # zero_one_adam diverges here for now (docs/optimizers.md): ask for it by name
+    parser.add_argument("--optimizers", default="adam,onebit_adam,onebit_lamb,muon")
     parser.add_argument("--freeze-share", type=float, default=0.15)
     parser.add_argument("--plot", default="docs/optimizer_curves.png")
     args = parser.parse_args()

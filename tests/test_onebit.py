@@ -116,6 +116,9 @@ class Recording:
         self.inner.wait(handle)
         self.after = self.flat.clone()
 
+    def __getattr__(self, name: str):  # sync, stage, ...: the wrapped reducer's
+        return getattr(self.inner, name)
+
 
 class BucketReference:
     """1-bit Adam on one bucket's flat elements from the papers' equations; its warm-up is
@@ -229,22 +232,19 @@ class LambBucketReference(BucketReference):
         return self.p
 
 
-def _onebit_layout(sharded: bool, name: str = "onebit_adam", tp: int = 2) -> dict:
-    """TP `tp` x PP2 x DP, 2-layer GPT (untied embeddings, no vocabulary padding), `name`
-    for TRAIN_STEPS steps against its reference (BucketReference; LambBucketReference, whose
-    spans are whole weights, at TP 1) on every bucket of every rank."""
+def _tiny_model(name: str, sharded: bool, tp: int, **flags) -> tuple:
+    """(model chunks, optimizer): TP `tp` x PP2 x DP, 2-layer GPT (untied embeddings, no
+    vocabulary padding), optimizer `name` (OptimizerConfig keywords `flags` on top of the
+    module's), each bucket's reducer wrapped in a Recording."""
     from megalite.config import ModelConfig, OptimizerConfig, PrecisionConfig
     from megalite.device import current_device
     from megalite.distributed import DistributedDataParallel
-    from megalite.distributed.finalize import finalize_model_grads
     from megalite.models import GPTModel
     from megalite.models.stage import build_model_chunks
-    from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
+    from megalite.mpu import initialize_model_parallel, model_parallel_seed
     from megalite.mpu import parallel_state as ps
     from megalite.optimizer import get_optimizer
     from megalite.optimizer.kinds import optimizer_kind
-    from megalite.schedules import get_forward_backward_func
-    from megalite.tasks import gpt as pretrain_gpt
     initialize_model_parallel(tp, 2)
     model_parallel_seed(1234, ps.get_tensor_model_parallel_rank(),
                         ps.get_pipeline_model_parallel_rank())
@@ -252,18 +252,60 @@ def _onebit_layout(sharded: bool, name: str = "onebit_adam", tp: int = 2) -> dic
                          make_vocab_size_divisible_by=1, max_position_embeddings=16,
                          hidden_dropout=0.0, attention_dropout=0.0,
                          untie_embeddings_and_output_weights=True)
-    opt = OptimizerConfig(optimizer=name, lr=LR, lr_decay_style="constant",
-                          weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
-                          adam_eps=EPS, clip_grad=0.0, freeze_step=FREEZE,
-                          use_distributed_optimizer=sharded, ddp_bucket_size=3000, **LAMB_FLAGS)
-    factory = optimizer_kind(name).make_reducer(opt)
+    opt = OptimizerConfig(**{**dict(
+        optimizer=name, lr=LR, lr_decay_style="constant", weight_decay=WD,
+        adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=0.0,
+        freeze_step=FREEZE, use_distributed_optimizer=sharded, ddp_bucket_size=3000,
+        **LAMB_FLAGS), **flags})
+    kind = optimizer_kind(name)
+    factory = kind.make_reducer(opt)
     chunks = build_model_chunks(lambda pre_process, post_process: GPTModel(
         config, pre_process, post_process, init_seed=1234, device=current_device()))
     model = [DistributedDataParallel(chunk, bucket_size=opt.ddp_bucket_size,
                                      use_distributed_optimizer=sharded,
-                                     make_reducer=lambda s: Recording(factory(s)))
+                                     make_reducer=lambda s: Recording(factory(s)),
+                                     replicas_apart=kind.replicas_apart)
              for chunk in chunks]
-    optimizer, _ = get_optimizer(opt, PrecisionConfig(), model)
+    return model, get_optimizer(opt, PrecisionConfig(), model)[0]
+
+
+def _backward(model: list, optimizer, rows: torch.Tensor) -> None:
+    """One step's forward and backward of this DP rank's `rows` [4, 17] (2 microbatches),
+    grads final (DP reduction included)."""
+    from megalite.device import current_device
+    from megalite.distributed.finalize import finalize_model_grads
+    from megalite.schedules import get_forward_backward_func
+    from megalite.tasks import gpt as pretrain_gpt
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    get_forward_backward_func()(
+        forward_step_func=pretrain_gpt.forward_step,
+        data_iterator=iter([{"tokens": t.to(current_device())} for t in rows.split(2)]),
+        model=model[0], num_microbatches=2, seq_length=16, micro_batch_size=2)
+    finalize_model_grads(model)
+
+
+def _tp_gap(model: list) -> tuple[float, int]:
+    """(max abs difference of the TP-replicated params between the TP ranks, their count)."""
+    from megalite.distributed.ddp import tp_replicated
+    from megalite.mpu import comm
+    from megalite.mpu import parallel_state as ps
+    replicated = [p.detach() for chunk in model for p in chunk.parameters() if tp_replicated(p)]
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return 0.0, len(replicated)
+    return max(float((comm.all_gather_stacked(p, ps.get_tensor_model_parallel_group())
+                      - p).abs().max()) for p in replicated), len(replicated)
+
+
+def _onebit_layout(sharded: bool, name: str = "onebit_adam", tp: int = 2) -> dict:
+    """`name` at TP `tp` x PP2 x DP (_tiny_model) for TRAIN_STEPS steps against its reference
+    (BucketReference; LambBucketReference, whose spans are whole weights, at TP 1) on every
+    bucket of every rank."""
+    from megalite.device import current_device
+    from megalite.mpu import comm
+    from megalite.mpu import parallel_state as ps
+    model, optimizer = _tiny_model(name, sharded, tp)
     group = ps.get_data_parallel_group()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     reference = LambBucketReference if name == "onebit_lamb" else BucketReference
@@ -274,14 +316,7 @@ def _onebit_layout(sharded: bool, name: str = "onebit_adam", tp: int = 2) -> dic
     for step in range(1, TRAIN_STEPS + 1):
         rows = torch.randint(0, 96, (dp * 4, 17), generator=gen).to(current_device()).split(
             4)[dp_rank]
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=pretrain_gpt.forward_step,
-            data_iterator=iter([{"tokens": t.to(current_device())} for t in rows.split(2)]),
-            model=model[0], num_microbatches=2, seq_length=16, micro_batch_size=2)
-        finalize_model_grads(model)
+        _backward(model, optimizer, rows)
         before = [ref.params().clone() for ref in refs]
         assert optimizer.step()[0]
         for ref, old in zip(refs, before):
@@ -302,8 +337,11 @@ def _onebit_layout(sharded: bool, name: str = "onebit_adam", tp: int = 2) -> dic
             got, want, old = (t[ref.real] for t in (got, ref.params(), old))
             update_err = max(update_err, ((got - want).abs().max()
                                           / (want - old).abs().max()).item())
+    # TP-replicated params (norms, biases): the same bits on every TP rank after the steps
+    tp_gap, replicated = _tp_gap(model)
     return {"warmup_diff": warmup_diff, "momentum_err": momentum_err,
-            "update_err": update_err, "buckets": len(refs)}
+            "update_err": update_err, "buckets": len(refs), "tp_gap": tp_gap,
+            "replicated": replicated}
 
 
 def test_onebit_adam_at_tp2_pp2_dp2_and_onebit_lamb_at_pp2_dp4_plain_and_zero1():
@@ -322,11 +360,134 @@ def test_onebit_adam_at_tp2_pp2_dp2_and_onebit_lamb_at_pp2_dp4_plain_and_zero1()
             assert r["momentum_err"] <= 1e-5, (rank, name, sharded, r)
             assert r["update_err"] <= tolerance, (rank, name, sharded, r)
             assert r["buckets"] >= 2, (rank, name, sharded, r)
+            # TP2: the TP-replicated params are bitwise equal on both TP ranks
+            assert r["tp_gap"] == 0.0 and (name != "onebit_adam" or r["replicated"] >= 6), (
+                rank, name, sharded, r)
 
 
 def _both_layouts() -> dict:
     return {(name, sharded): _onebit_layout(sharded, name, tp)
             for name, tp in (("onebit_adam", 2), ("onebit_lamb", 1)) for sharded in (False, True)}
+
+
+# 0/1 Adam: variance steps 1 and 2 (interval 1 for one step, then 2), 1-bit grads at step 3,
+# then local steps synchronised at steps 4, 6, 8, ... (interval 1 for one step, then 2); eps
+# 1e-4: two variance steps leave tiny variances, where a 1-bit m / (sqrt(v) + eps) would jump
+ZERO_ONE = dict(var_freeze_step=3, var_update_scaler=1, local_step_scaler=1,
+                local_step_clipper=2, adam_eps=1e-4)
+VARIANCE_STEPS, SYNC_STEPS, ZERO_ONE_STEPS = (1, 2), (4, 6), 6
+
+
+class ZeroOneReference:
+    """0/1 Adam on one bucket's flat elements from the paper's equations (Lu et al. 2022,
+    without bias correction as DeepSpeed), holding every DP rank's params and momentum."""
+
+    def __init__(self, bucket, ranges: dict, world: int, rank: int) -> None:
+        self.bucket, self.world, self.rank = bucket, world, rank
+        self.spans = [(p, ranges[p][0] - bucket.start, ranges[p][1] - bucket.start)
+                      for p in bucket.params]
+        n = bucket.end - bucket.start
+        self.p = torch.zeros(n)
+        self.wd = torch.zeros(n)
+        for p, a, b in self.spans:
+            self.p[a:b], self.wd[a:b] = p.detach().view(-1).cpu(), (WD if p.ndim > 1 else 0.0)
+        self.m, self.v, self.local = torch.zeros(n), torch.zeros(n), None
+        self.errors(n)
+
+    def errors(self, n: int) -> None:
+        c = math.ceil(n / (8 * self.world)) * 8
+        self.worker = [torch.zeros(self.world * c)] * self.world
+        self.server = [torch.zeros(c)] * self.world
+
+    def step(self, step: int, local_grads: list[torch.Tensor], mean_grads: torch.Tensor
+             ) -> torch.Tensor | None:
+        """Step `step` (from 1); returns the averaged grads up to the freeze, else None."""
+        beta1, beta2 = BETAS
+        if step <= ZERO_ONE["var_freeze_step"]:
+            variance = step in VARIANCE_STEPS
+            g = mean_grads if variance else reference_allreduce(local_grads, self.worker,
+                                                                  self.server)
+            self.m = torch.lerp(self.m, g, 1 - beta1)
+            if variance:
+                self.v = beta2 * self.v + (1 - beta2) * g * g
+            self.m = torch.where(self.v > 0, self.m, 0.0)  # v = 0: no step of m / eps
+            d = self.v.sqrt() + ZERO_ONE["adam_eps"]
+            self.p = self.p - LR * (self.m / d + self.wd * self.p)
+            return g
+        d = self.v.sqrt() + ZERO_ONE["adam_eps"]
+        if self.local is None:  # the freeze: every rank starts from the anchor
+            self.anchor, self.lr_sum = self.p, 0.0
+            self.local = [(self.p, self.m)] * self.world
+            self.errors(self.p.numel())
+        moments = [torch.where(self.v > 0, torch.lerp(m, g, 1 - beta1), 0.0)
+                   for (_, m), g in zip(self.local, local_grads)]
+        self.local = [(p - LR * (m / d + self.wd * p), m)
+                      for (p, _), m in zip(self.local, moments)]
+        self.lr_sum += LR
+        if step in SYNC_STEPS:
+            u = reference_allreduce([(p - self.anchor) * d for p, _ in self.local], self.worker,
+                                    self.server)
+            u = torch.where(self.v > 0, u, 0.0)
+            self.anchor = self.anchor + u / d
+            self.local = [(self.anchor, -u / self.lr_sum)] * self.world
+            self.lr_sum = 0.0
+        return None
+
+    def params(self) -> torch.Tensor:
+        return self.p if self.local is None else self.local[self.rank][0]
+
+
+def _zero_one_layout() -> dict:
+    """zero_one_adam at TP2 x PP2 x DP2 (_tiny_model) for ZERO_ONE_STEPS steps against
+    ZeroOneReference on every bucket of every rank; each step's tokens hold the whole
+    vocabulary (a variance of 0 would turn a 1-bit momentum into steps of 1 / eps)."""
+    from megalite.mpu import comm
+    from megalite.mpu import parallel_state as ps
+    model, optimizer = _tiny_model("zero_one_adam", False, 2, **ZERO_ONE)
+    group = ps.get_data_parallel_group()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    refs = [ZeroOneReference(bucket, buffer.ranges, dp, dp_rank) for chunk in model
+            for buffer in chunk.grad_buffers for bucket in buffer.buckets]
+    gen = torch.Generator().manual_seed(5)
+    grad_err, update_err, dp_gaps = 0.0, 0.0, {}
+    for step in range(1, ZERO_ONE_STEPS + 1):
+        tokens = torch.cat([torch.randperm(96, generator=gen),
+                            torch.randint(0, 96, (dp * 4 * 17 - 96,), generator=gen)])
+        rows = tokens[torch.randperm(tokens.numel(), generator=gen)].view(dp * 4, 17)
+        _backward(model, optimizer, rows.split(4)[dp_rank])
+        before = [ref.params().clone() for ref in refs]
+        assert optimizer.step()[0]
+        for ref, old in zip(refs, before):
+            recorder = ref.bucket.reducer
+            local = comm.all_gather_stacked(recorder.before * dp, group).cpu().unbind(0)
+            want_g = ref.step(step, list(local), recorder.after.cpu())
+            if want_g is not None and step not in VARIANCE_STEPS:
+                grad_err = max(grad_err, float((recorder.after.cpu() - want_g).abs().max()
+                                               / want_g.abs().max()))
+            got = torch.zeros_like(old)
+            for p, a, b in ref.spans:
+                got[a:b] = p.detach().view(-1).cpu()
+            want = ref.params()
+            update_err = max(update_err, float((got - want).abs().max()
+                                               / (want - old).abs().max()))
+        params = torch.cat([p.detach().view(-1) for chunk in model for p in chunk.parameters()])
+        dp_gaps[step] = float((comm.all_gather_stacked(params, group) - params).abs().max())
+    tp_gap, replicated = _tp_gap(model)
+    return {"grad_err": grad_err, "update_err": update_err, "dp_gaps": dp_gaps,
+            "tp_gap": tp_gap, "replicated": replicated, "buckets": len(refs)}
+
+
+def test_zero_one_adam_at_tp2_pp2_dp2():
+    """Variance steps, 1-bit averaged grads, local steps and 1-bit synchronisations == the
+    reference (fp32, printed); the params differ over DP after a local step and are bitwise equal
+    after a synchronisation; the TP-replicated params bitwise equal over TP."""
+    for rank, r in enumerate(run_on_ranks(8, _zero_one_layout)):
+        print(rank, r)
+        # relative to one step's update (~5e-3 on weights ~1 at step 1: fp32's last bit of
+        # the weights is 1.3e-5 of it)
+        assert r["grad_err"] <= 1e-5 and r["update_err"] <= 1e-4, (rank, r)
+        assert r["dp_gaps"][5] > 0 and r["dp_gaps"][4] == r["dp_gaps"][6] == 0.0, (rank, r)
+        assert r["tp_gap"] == 0.0 and r["replicated"] >= 6 and r["buckets"] >= 2, (rank, r)
 
 
 ONEBIT = ["--optimizer", "onebit_adam", "--freeze-step", "2", "--clip-grad", "0"]
@@ -350,12 +511,21 @@ def _straight_resumed_resharded(prefix: str, root: str, layout: list[str]) -> tu
     return straight, resumed, resharded, out.getvalue()
 
 
-@pytest.mark.parametrize("name", ("onebit_adam", "onebit_lamb"))
+# variance step 1, then local steps synchronised at 2, 4, 6, 8 (not at 3, 5, 7); eps 1e-4:
+# one variance step leaves tiny variances, where a 1-bit u / (sqrt(v) + eps) would jump
+ZERO_ONE_FLAGS = ["--optimizer", "zero_one_adam", "--var-freeze-step", "1",
+                  "--var-update-scaler", "1", "--local-step-scaler", "1",
+                  "--local-step-clipper", "2", "--clip-grad", "0", "--adam-eps", "1e-4"]
+
+
+@pytest.mark.parametrize("name", ("onebit_adam", "onebit_lamb", "zero_one_adam"))
 def test_resume_in_the_compressed_stage_is_bitwise_exact(tmp_path, name):
-    """PP2 x DP2 with ZeRO-1: exit after step 3 (compressed since step 3), resume 4..6; then
+    """PP2 x DP2 with ZeRO-1 (zero_one_adam: without, and its DP ranks hold different params
+    after the local step 3): exit after step 3 (compressed since step 3), resume 4..6; then
     on DP 4 without ZeRO-1 (one line; the start line and the log name the stage and bytes)."""
     prefix = make_dataset(str(tmp_path))
-    layout = ["--pp", "2", "--dp", "2", "--use-distributed-optimizer", *onebit_flags(name)]
+    layout = ["--pp", "2", "--dp", "2", *(ZERO_ONE_FLAGS if name == "zero_one_adam" else
+                                          ["--use-distributed-optimizer", *onebit_flags(name)])]
     straight, resumed, resharded, printed = run_on_ranks(
         4, _straight_resumed_resharded, prefix, str(tmp_path), layout)[0]
     assert sorted(resumed) == [4, 5, 6]
@@ -364,7 +534,8 @@ def test_resume_in_the_compressed_stage_is_bitwise_exact(tmp_path, name):
     # another layout: the reducers restart from the optimizer's exp_avg, training goes on
     assert "the gradient reducers restart at iteration 6" in printed, printed
     assert f"optimizer {name} | sharding no_shard | DP reduction per step" in printed
-    assert "now in compressed" in printed and "DP MB/step" in printed
+    stage = "local" if name == "zero_one_adam" else "compressed"  # at step 7
+    assert f"now in {stage}" in printed and "DP MB/step" in printed, printed
     assert sorted(resharded) == [7, 8] and all(math.isfinite(v) for v in resharded.values())
     assert abs(resharded[7] - straight[6]) < 0.1 * straight[6], (straight, resharded)
 
@@ -376,11 +547,24 @@ def test_resume_in_the_compressed_stage_is_bitwise_exact(tmp_path, name):
     ([], 1, "needs DP x CP >= 2"),
     (["--clip-grad", "1.0"], 2, "pass --clip-grad 0"),
     (["--fp16"], 2, "cannot go with --fp16"),
-    (["--tp", "2"], 4, "replicated params"),
 ])
 @pytest.mark.parametrize("name", ("onebit_adam", "onebit_lamb"))
 def test_bad_combinations_are_one_line_before_any_process_group(argv, world, expected, name):
     configs = parse_configs(onebit_flags(name) + argv)
+    with pytest.raises(ValueError, match=expected) as error:
+        RunLayout.from_configs(configs, world)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("argv,world,expected", [
+    (["--use-distributed-optimizer"], 2, "cannot shard the optimizer over DP"),
+    (["--var-freeze-step", "10", "--train-iters", "10"], 2,
+     r"--var-freeze-step \(10\) must be below"),
+    ([], 1, "needs DP x CP >= 2"),
+    (["--clip-grad", "1.0"], 2, "pass --clip-grad 0"),
+])
+def test_zero_one_adam_bad_combinations_are_one_line(argv, world, expected):
+    configs = parse_configs(ZERO_ONE_FLAGS + ["--train-iters", "20"] + argv)
     with pytest.raises(ValueError, match=expected) as error:
         RunLayout.from_configs(configs, world)
     assert "\n" not in str(error.value)
@@ -397,3 +581,6 @@ def test_the_planner_counts_the_reducers_state():
     got = state_bytes_per_param("fp32", "optim", 4,
                                 optimizer=OptimizerConfig(optimizer="onebit_lamb"))
     assert got.total == 4 + 4 + 12 / 4 + 8 + 4 / 4  # + LAMB's fresh variance
+    got = state_bytes_per_param("fp32", "no_shard", 4,  # m, v, anchor; worker + server error
+                                optimizer=OptimizerConfig(optimizer="zero_one_adam"))
+    assert got.total == 4 + 4 + 12 + 4 + 4 / 4

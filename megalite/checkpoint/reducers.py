@@ -48,8 +48,8 @@ def restore_reducers(model: list[torch.nn.Module], optimizer, states: list[dict]
     buckets = _buckets(model)
     sizes = [bucket.end - bucket.start for bucket in buckets]
     if states is not None and len(states) == len(buckets) and all(  # else other buckets
-            "momentum" not in state or state["momentum"].numel() == size
-            for state, size in zip(states, sizes)):
+            ("momentum" not in state or state["momentum"].numel() == size)
+            and state.get("elements", size) == size for state, size in zip(states, sizes)):
         for bucket, state in zip(buckets, states):
             bucket.reducer.load_state_dict(state, bucket.group)
         return

@@ -112,6 +112,16 @@ class OptimizerConfig(Section):
     factor_min: float = arg(0.5, "onebit_lamb: lower clamp of that factor", above=0.0)
     factor_threshold: float = arg(0.1, "onebit_lamb: largest relative change of that factor "
                                   "from one step to the next", min=0.0)
+    var_freeze_step: int = arg(100000, "zero_one_adam: the last step that may update the "
+                               "variance; local steps after it (DeepSpeed's name and default)",
+                               min=1)
+    var_update_scaler: int = arg(16, "zero_one_adam: variance updates per interval before the "
+                                 "interval between them doubles", min=1)
+    local_step_scaler: int = arg(32678, "zero_one_adam: steps after --var-freeze-step per "
+                                 "interval before the interval between synchronisations "
+                                 "doubles (DeepSpeed's default)", min=1)
+    local_step_clipper: int = arg(16, "zero_one_adam: the longest interval between "
+                                  "synchronisations, in steps", min=1)
     clip_grad: float = arg(1.0, "clip the global grad L2 norm to this (0: off)", min=0.0)
     use_distributed_optimizer: bool = arg(
         False, "shard optimizer state over DP (ZeRO-1): --data-parallel-sharding-strategy optim")

@@ -29,13 +29,18 @@ class DistributedDataParallel(ChunkWrapper):
     Expert parameters (`expert_parallel`, MoE) get buffers of their own, reduced over the
     expert-data-parallel group only (their other DP ranks hold other experts), still divided
     by the full DP size: each expert's grad already sums the tokens of its whole EP group.
+    With `replicas_apart`, parameters that are replicas of others get buckets of their own:
+    the TP-replicated ones (TP > 1; neither split over TP nor summed over it afterwards:
+    norms, biases of row-parallel layers) a grad buffer, the tied embedding (first and last
+    stage) a bucket. A reducer whose result depends on the whole bucket (the 1-bit
+    compression's chunk scales) then gives the replicas the same values.
     Calls and unknown attributes (`set_input_tensor`, `config`, ...) go to the wrapped module.
     """
 
     def __init__(self, module: nn.Module, bucket_size: int = 40_000_000,
                  overlap_grad_reduce: bool = True, use_distributed_optimizer: bool = False,
-                 data_parallel_group=None, make_reducer: ReducerFactory = default_reducer
-                 ) -> None:
+                 data_parallel_group=None, make_reducer: ReducerFactory = default_reducer,
+                 replicas_apart: bool = False) -> None:
         super().__init__()
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -45,19 +50,21 @@ class DistributedDataParallel(ChunkWrapper):
                                         with_context_parallel=True)
                                     if data_parallel_group is None else data_parallel_group)
         params = [p for p in module.parameters() if p.requires_grad]
-        tied = frozenset(shared_embedding_params(module)) if use_distributed_optimizer \
-            else frozenset()
+        tied = frozenset(shared_embedding_params(module)) \
+            if use_distributed_optimizer or replicas_apart else frozenset()
         expert_group = parallel_state.get_expert_data_parallel_group()
-        by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
+        apart = replicas_apart and parallel_state.get_tensor_model_parallel_world_size() > 1
+        by_kind: dict[tuple[torch.dtype, bool, bool], list[nn.Parameter]] = {}
         for param in params:
             expert = getattr(param, "expert_parallel", False)
-            by_kind.setdefault((param.dtype, expert), []).append(param)
+            by_kind.setdefault((param.dtype, expert, apart and tp_replicated(param)),
+                               []).append(param)
         dp = comm.world_size(self.data_parallel_group)
         self.grad_buffers = [GradBuffer(same_kind, expert_group if expert
                                         else self.data_parallel_group, bucket_size,
                                         use_distributed_optimizer, tied, mean_over=dp,
                                         make_reducer=make_reducer)
-                             for (_, expert), same_kind in by_kind.items()]
+                             for (_, expert, _), same_kind in by_kind.items()]
         self._bucket_of: dict[nn.Parameter, Bucket] = {
             p: bucket for bucket in self.buckets() for p in bucket.params}
         self._sync = True
@@ -102,6 +109,13 @@ class DistributedDataParallel(ChunkWrapper):
             buffer.reset()
         for param in self._bucket_of:
             param.grad = None
+
+
+def tp_replicated(param: nn.Parameter) -> bool:
+    """Whether `param` holds the same values and grads on every TP rank (neither split over TP
+    nor holding a part of its grad that TP sums afterwards)."""
+    return not (getattr(param, "tensor_model_parallel", False)
+                or getattr(param, "tp_grad_partial", False))
 
 
 def _weak_hook(ddp: DistributedDataParallel) -> Callable[[nn.Parameter], None]:

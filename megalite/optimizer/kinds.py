@@ -28,6 +28,8 @@ from megalite.optimizer import muon
 from megalite.optimizer.onebit import (MomentumReducer, build_onebit_adam, check_onebit_run,
                                        momentum_reducer_settings)
 from megalite.optimizer.onebit_lamb import OnebitLamb, build_onebit_lamb
+from megalite.optimizer.zero_one_adam import (ZeroOneAdam, ZeroOneReducer, build_zero_one_adam,
+                                              check_zero_one_run, zero_one_reducer_settings)
 
 FP32_BYTES = 4  # optimizer state is kept in fp32, like the masters it steps
 
@@ -60,6 +62,9 @@ class OptimizerKind:
     # fp32 bytes per parameter the reducer keeps on every rank over DP x CP = n, whatever the
     # sharding (the 1-bit family: momentum and worker error, server error / n)
     reducer_bytes: Callable[[int], float] = lambda n: 0.0
+    # the reducer's result depends on the whole bucket (1-bit chunk scales): replicated params
+    # (over TP; the tied embedding) get buckets of their own, so that their copies stay equal
+    replicas_apart: bool = False
 
     def make_reducer(self, config) -> ReducerFactory:
         """The DP buckets' ReducerFactory under `config`: `reducer`, given its settings."""
@@ -133,7 +138,7 @@ MUON = MuonKind("muon", build_muon, lambda config: ("momentum_buffer", "exp_avg"
 ONEBIT_ADAM = OptimizerKind("onebit_adam", build_onebit_adam,
                             lambda config: ("exp_avg", "exp_avg_sq"), scalar_keys=("step",),
                             reducer=MomentumReducer, reducer_settings=momentum_reducer_settings,
-                            check_run=check_onebit_run,
+                            check_run=check_onebit_run, replicas_apart=True,
                             reducer_bytes=lambda n: FP32_BYTES * (2 + 1 / n))
 # LAMB's trust ratio needs whole weights: `attach` tells it where each weight's pieces are
 ONEBIT_LAMB = OptimizerKind("onebit_lamb", build_onebit_lamb,
@@ -141,9 +146,16 @@ ONEBIT_LAMB = OptimizerKind("onebit_lamb", build_onebit_lamb,
                             scalar_keys=("step", "coeff_freeze", "last_factor"),
                             attach=OnebitLamb.attach, reducer=MomentumReducer,
                             reducer_settings=momentum_reducer_settings,
-                            check_run=check_onebit_run,
+                            check_run=check_onebit_run, replicas_apart=True,
                             reducer_bytes=lambda n: FP32_BYTES * (2 + 1 / n))
-OPTIMIZER_KINDS = (ADAM, SGD, MUON, ONEBIT_ADAM, ONEBIT_LAMB)
+# local steps: p and m differ over DP between synchronisations, the anchor a does not
+ZERO_ONE_ADAM = OptimizerKind("zero_one_adam", build_zero_one_adam,
+                              lambda config: ("exp_avg", "exp_avg_sq", "anchor"),
+                              scalar_keys=("step", "lr_sum"), attach=ZeroOneAdam.attach,
+                              reducer=ZeroOneReducer, reducer_settings=zero_one_reducer_settings,
+                              check_run=check_zero_one_run, replicas_apart=True,
+                              reducer_bytes=lambda n: FP32_BYTES * (1 + 1 / n))
+OPTIMIZER_KINDS = (ADAM, SGD, MUON, ONEBIT_ADAM, ONEBIT_LAMB, ZERO_ONE_ADAM)
 
 
 def optimizer_kind(name: str) -> OptimizerKind:

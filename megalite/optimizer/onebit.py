@@ -138,29 +138,34 @@ def momentum_reducer_settings(config) -> dict:
 
 
 def check_onebit_run(configs, data_parallel_size: int) -> None:
+    """`check_compressed_run` with `--freeze-step`."""
+    check_compressed_run(configs, data_parallel_size, "--freeze-step",
+                         configs.optimizer.freeze_step)
+
+
+def check_compressed_run(configs, data_parallel_size: int, freeze_flag: str, freeze: int
+                         ) -> None:
     """ValueError (one line naming the flag) for a run a 1-bit optimizer cannot make: no DP to
-    compress, a warm-up as long as the run, a grad norm to clip (after the warm-up the DP
-    reduction carries the momentum), TP (replicated params would drift apart), fp16 (a
+    compress, a warm-up (`freeze_flag` = `freeze` steps) as long as the run, a grad norm to
+    clip (after the warm-up the DP reduction carries the momentum or nothing), fp16 (a
     skipped step would put the reducers' step count out of step with the optimizer's), MoE
-    experts (reduced over another group)."""
+    experts (reduced over another group). TP is fine: TP-replicated params get buckets of
+    their own (OptimizerKind.replicas_apart)."""
     o, name = configs.optimizer, f"--optimizer {configs.optimizer.optimizer}"
     if data_parallel_size < 2:
         raise ValueError(f"{name} compresses the data-parallel reduction: it needs DP x CP >= 2 "
                          f"(got {data_parallel_size}; use adam)")
-    if o.freeze_step >= configs.train.train_iters:
-        raise ValueError(f"--freeze-step ({o.freeze_step}) must be below --train-iters "
+    if freeze >= configs.train.train_iters:
+        raise ValueError(f"{freeze_flag} ({freeze}) must be below --train-iters "
                          f"({configs.train.train_iters}): the run would never leave {name}'s "
                          f"warm-up")
     if o.clip_grad > 0:
-        raise ValueError(f"{name} sends the momentum, not the grads, over DP after its warm-up: "
-                         f"there is no global grad norm to clip by (pass --clip-grad 0)")
+        raise ValueError(f"{name} does not send the grads over DP after its warm-up (1-bit "
+                         f"momentum or local steps): there is no global grad norm to clip by "
+                         f"(pass --clip-grad 0)")
     if configs.precision.fp16:
         raise ValueError(f"{name} cannot go with --fp16: a step skipped for overflow would "
                          f"desynchronise its compression stage (use --bf16)")
-    if configs.parallel.tensor_model_parallel_size > 1:
-        raise ValueError(f"{name} cannot go with --tensor-model-parallel-size > 1 yet: each TP "
-                         f"rank compresses its own bucket, so the TP-replicated params (norms, "
-                         f"biases) get different momenta and drift apart (use --pp or --dp)")
     if configs.model.num_experts is not None:
         raise ValueError(f"{name} cannot go with --num-experts: expert grads are reduced over "
                          f"the expert-data-parallel group, which its reducer does not handle")

@@ -124,8 +124,10 @@ def build_model(configs: Configs, model_provider: Callable) -> list[torch.nn.Mod
     # progressive layer dropping: a replica's dropped layers get no grads, so buckets would
     # become ready in a different order on each replica; all are reduced after backward
     overlap = o.overlap_grad_reduce and not configs.train.progressive_layer_drop
+    kind = optimizer_kind(o.optimizer)
     return [DistributedDataParallel(chunk, bucket_size=o.ddp_bucket_size,
                                     overlap_grad_reduce=overlap,
                                     use_distributed_optimizer=strategy.shards_optimizer,
-                                    make_reducer=optimizer_kind(o.optimizer).make_reducer(o))
+                                    make_reducer=kind.make_reducer(o),
+                                    replicas_apart=kind.replicas_apart)
             for chunk in chunks]
