@@ -57,8 +57,9 @@ def test_every_strategy_the_parser_accepts_is_a_record():
 
 def test_every_optimizer_record_runs_and_another_name_is_one_line(monkeypatch, tmp_path,
                                                                   capsys):
-    for kind in kinds.OPTIMIZER_KINDS:  # the 1-bit family needs DP >= 2 and no clipping
-        extra = ["--clip-grad", "0"] if kind.check_run else []
+    for kind in kinds.OPTIMIZER_KINDS:  # the 1-bit family: DP >= 2, no clipping, a run that
+        # goes past the freeze step (zero_one_adam's default: DeepSpeed's 100,000)
+        extra = ["--clip-grad", "0", "--train-iters", "200000"] if kind.check_run else []
         RunLayout.from_configs(parse_configs(["--optimizer", kind.name, *extra]), 2)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -66,7 +67,8 @@ def test_every_optimizer_record_runs_and_another_name_is_one_line(monkeypatch, t
         pretrain_gpt.main(["--optimizer", "lamb"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: --optimizer must be one of adam, sgd, muon, onebit_adam, onebit_lamb (got 'lamb')"]
+        "error: --optimizer must be one of adam, sgd, muon, onebit_adam, onebit_lamb, zero_one_adam "
+        "(got 'lamb')"]
 
 
 @pytest.mark.parametrize("n", (1, 4))

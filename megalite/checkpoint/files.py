@@ -17,7 +17,6 @@ costs no more host memory than that buffer and the header. The file is byte for 
 every byte the header announces, so a truncated or foreign file is one clear error
 before any tensor is read.
 """
-import ctypes
 import json
 import os
 import struct
@@ -26,6 +25,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from safetensors.torch import load_file
+
+from megalite.distributed.scratch_io import host_bytes
 
 STREAM_BUFFER_BYTES = 64 * 2 ** 20  # the most host memory a file write copies through
 
@@ -96,15 +97,6 @@ def safetensors_header(order: list[tuple[str, torch.Tensor]],
     return struct.pack("<Q", len(text)) + text
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous host tensor, in place (any dtype), read through its address:
-    numpy would leave its storage unresizable for good, which the parameter tier resizes."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if not nbytes:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
 def _chunks(tensor: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
     """Views of `tensor` of at most `limit` elements each (whole rows where they fit), whose
     elements in order are `tensor`'s in row-major order."""
@@ -130,7 +122,7 @@ def _write_through(f, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
     for chunk in _chunks(tensor.detach(), buffer.numel() // size):
         piece = buffer[:chunk.numel() * size]
         piece.view(tensor.dtype).view(chunk.shape).copy_(chunk)
-        f.write(_raw_bytes(piece))
+        f.write(host_bytes(piece))
 
 
 def write_tensors(path: str, tensors: dict[str, torch.Tensor],
@@ -150,7 +142,7 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor],
         f.write(safetensors_header(order, metadata))
         for _, tensor in order:
             if _in_place(tensor):
-                f.write(_raw_bytes(tensor))
+                f.write(host_bytes(tensor))
             elif tensor.numel():
                 _write_through(f, tensor, buffer)
         f.flush()

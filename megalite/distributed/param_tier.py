@@ -29,9 +29,7 @@ with os.preadv / os.pwritev (on CUDA through a pinned staging buffer per unit in
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import shutil
 import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +40,9 @@ import torch
 from torch import nn
 
 from megalite import device
+from megalite.distributed.scratch_io import (pin_mmap_threshold, read_exactly, remove_scratch,
+                                                trim_heap, write_all)
+
 
 @dataclass(eq=False)
 class Unit:
@@ -59,31 +60,6 @@ class Unit:
     def shards(self) -> list[torch.Tensor]:
         """The unit's padded 1-D local shards (read afresh: FSDP2 may replace them)."""
         return [p._sharded_param_data for p in self.group.fsdp_params]
-
-
-def _view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of contiguous host `tensor` (not through numpy, which would make its storage
-    unresizable for good)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if not nbytes:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def _pread(fd: int, tensor: torch.Tensor, offset: int, directory: str) -> None:
-    view, done = _view(tensor), 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise OSError(f"param tier: the file in {directory} ends at byte {offset + done} "
-                          f"(truncated)")
-        done += n
-
-
-def _pwrite(fd: int, tensor: torch.Tensor, offset: int) -> None:
-    view, done = _view(tensor), 0
-    while done < len(view):
-        done += os.pwritev(fd, [view[done:]], offset + done)
 
 
 def _scatter(host: torch.Tensor, shards: list[torch.Tensor]) -> None:
@@ -121,7 +97,6 @@ class ParamTier:
         self.first: int | None = None  # the first unit a step used
         self.pin = device.device_type() == "cuda"
         if not self.pin:  # host shards: freed ones leave the process (glibc)
-            from megalite.optimizer.nvme_tier import pin_mmap_threshold  # (import cycle)
             pin_mmap_threshold()
         self.reader, self.directory, self.fd = ThreadPoolExecutor(1), None, None
         if where == "nvme":
@@ -129,7 +104,7 @@ class ParamTier:
             self.directory = tempfile.mkdtemp(prefix=f"megalite-params-rank{rank}-", dir=path)
             self.fd = os.open(os.path.join(self.directory, "params.bin"),
                               os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            self._cleanup = weakref.finalize(self, _remove, self.fd, self.directory)
+            self._cleanup = weakref.finalize(self, remove_scratch, self.fd, self.directory)
         else:
             self.host = torch.empty(offset, dtype=torch.uint8, pin_memory=self.pin)
         for index, unit in enumerate(self.units):
@@ -192,7 +167,7 @@ class ParamTier:
             if self.fd is None:
                 t.copy_(self.host[at:at + n])
             else:
-                _pread(self.fd, t, at, self.directory)
+                read_exactly(self.fd, t, at, f"param tier: the file in {self.directory}")
             at += n
         if staged:
             _scatter(host[0], shards)
@@ -209,7 +184,7 @@ class ParamTier:
             if self.fd is None:
                 self.host[at:at + n].copy_(t)
             else:
-                _pwrite(self.fd, t, at)
+                write_all(self.fd, t, at)
             at += n
         self.bytes_written += unit.nbytes
         unit.dirty = False
@@ -256,7 +231,7 @@ class ParamTier:
         CPU hand the heap's free pages back to the system (the shards allocated before the
         mmap threshold was pinned came from the heap, and freeing them left holes there)."""
         if not self.pin:
-            _trim_heap()
+            trim_heap()
         self.last = None
         if self.first is not None:
             self._load(self.units[self.first])
@@ -328,19 +303,6 @@ class SteppedUnits:
     def finish(self) -> None:
         for tier in self.tiers:
             tier.next_pass()
-
-
-def _trim_heap() -> None:
-    """glibc's malloc_trim(0): free heap pages back to the system (a no-op without glibc)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _remove(fd: int, directory: str) -> None:
-    os.close(fd)
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def close_param_tiers(chunks: list[nn.Module]) -> None:

@@ -28,9 +28,7 @@ read the state through `resident()`: every fragment's master and state as whole 
 tensors, the layout the in-memory optimizer has, written back to the file at its end.
 """
 import contextlib
-import ctypes
 import os
-import shutil
 import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,30 +38,11 @@ from typing import Iterator
 import torch
 
 from megalite import device
+from megalite.distributed.scratch_io import (pin_mmap_threshold, read_exactly, remove_scratch,
+                                                write_all)
 
 FP32_BYTES = 4
 BUFFERS = 3  # read-ahead k+1, step k, write-back k-1
-MMAP_THRESHOLD = 128 * 1024  # glibc's default, made fixed
-M_MMAP_THRESHOLD = -3  # glibc malloc.h
-
-
-def remove_scratch(fd: int, directory: str) -> None:
-    """Close a tier's file and remove its scratch directory."""
-    os.close(fd)
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def pin_mmap_threshold() -> None:
-    """Keep glibc's mmap threshold at its default. glibc raises it to the size of every freed
-    mmapped block (up to 32 MiB), so after the first step's sub-group-sized transients (lazily
-    created state, the optimizer's temporaries) later ones come from the heap, which keeps
-    them resident: ~30 MiB of peak RSS at 1M-parameter sub-groups. Process-wide: every later
-    host allocation over 128 KiB is mmapped and unmapped when freed. A no-op without glibc."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 @dataclass(frozen=True)
@@ -131,27 +110,6 @@ def plan_groups(sizes: list[int], in_file: list[bool], n_states: int,
     return groups
 
 
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.numpy()).cast("B")
-
-
-def _read(fd: int, buffer: torch.Tensor, offset: int) -> int:
-    view, done = _bytes(buffer), 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise OSError(f"nvme tier: file ends at byte {offset + done} (truncated)")
-        done += n
-    return done
-
-
-def _write(fd: int, buffer: torch.Tensor, offset: int) -> int:
-    view, done = _bytes(buffer), 0
-    while done < len(view):
-        done += os.pwritev(fd, [view[done:]], offset + done)
-    return done
-
-
 class NvmeTier:
     """The file and buffers of one rank's optimizer (see the module docstring).
 
@@ -195,11 +153,13 @@ class NvmeTier:
 
     def _submit_read(self, group: Group, buffer: torch.Tensor) -> Future:
         self.bytes_read += group.file_numel * FP32_BYTES
-        return self.reader.submit(_read, self.fd, buffer[:group.file_numel], group.file_offset)
+        return self.reader.submit(read_exactly, self.fd, buffer[:group.file_numel],
+                                  group.file_offset, f"nvme tier: the file in {self.directory}")
 
     def _submit_write(self, group: Group, buffer: torch.Tensor) -> Future:
         self.bytes_written += group.file_numel * FP32_BYTES
-        return self.writer.submit(_write, self.fd, buffer[:group.file_numel], group.file_offset)
+        return self.writer.submit(write_all, self.fd, buffer[:group.file_numel],
+                                  group.file_offset)
 
     @torch.no_grad()
     def write_masters(self, fresh: bool = False) -> None:
