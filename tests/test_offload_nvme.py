@@ -63,13 +63,13 @@ def _curves(prefix: str, root: str, layouts: dict[str, tuple[list[str], tuple[st
     for name, (flags, variants) in layouts.items():
         nvme = os.path.join(root, f"nvme-{name}")
         os.makedirs(nvme, exist_ok=True)
-        run = lambda tier, *extra: train_with_grad_norms(  # noqa: E731
+        curve = lambda tier, *extra: train_with_grad_norms(  # noqa: E731
             tiny_args(prefix, os.path.join(root, f"{name}-{tier}"), 3, *EXACT, *flags, *extra))
-        plain, tiered = run("none"), {}
+        plain, tiered = curve("none"), {}
         for variant in variants:
             record = {"forward": [], "step": []}
             with _watch_resident(record, variant in watch):
-                tiered[variant] = run(variant, *_tiers(variant, nvme))
+                tiered[variant] = curve(variant, *_tiers(variant, nvme))
             if variant in watch:
                 resident[variant] = record
         dist.barrier()  # every rank's tiers are closed

@@ -387,17 +387,18 @@ class ZeroOneReference:
         self.spans = [(p, ranges[p][0] - bucket.start, ranges[p][1] - bucket.start)
                       for p in bucket.params]
         n = bucket.end - bucket.start
-        self.p = torch.zeros(n)
-        self.wd = torch.zeros(n)
+        self.p = torch.zeros(n, device="cpu")
+        self.wd = torch.zeros(n, device="cpu")
         for p, a, b in self.spans:
             self.p[a:b], self.wd[a:b] = p.detach().view(-1).cpu(), (WD if p.ndim > 1 else 0.0)
-        self.m, self.v, self.local = torch.zeros(n), torch.zeros(n), None
+        self.m, self.v = torch.zeros(n, device="cpu"), torch.zeros(n, device="cpu")
+        self.local = None
         self.errors(n)
 
     def errors(self, n: int) -> None:
         c = math.ceil(n / (8 * self.world)) * 8
-        self.worker = [torch.zeros(self.world * c)] * self.world
-        self.server = [torch.zeros(c)] * self.world
+        self.worker = [torch.zeros(self.world * c, device="cpu")] * self.world
+        self.server = [torch.zeros(c, device="cpu")] * self.world
 
     def step(self, step: int, local_grads: list[torch.Tensor], mean_grads: torch.Tensor
              ) -> torch.Tensor | None:
@@ -451,9 +452,11 @@ def _zero_one_layout() -> dict:
     gen = torch.Generator().manual_seed(5)
     grad_err, update_err, dp_gaps = 0.0, 0.0, {}
     for step in range(1, ZERO_ONE_STEPS + 1):
-        tokens = torch.cat([torch.randperm(96, generator=gen),
-                            torch.randint(0, 96, (dp * 4 * 17 - 96,), generator=gen)])
-        rows = tokens[torch.randperm(tokens.numel(), generator=gen)].view(dp * 4, 17)
+        tokens = torch.cat([torch.randperm(96, generator=gen, device="cpu"),
+                            torch.randint(0, 96, (dp * 4 * 17 - 96,), generator=gen,
+                                          device="cpu")])
+        rows = tokens[torch.randperm(tokens.numel(), generator=gen, device="cpu")]
+        rows = rows.view(dp * 4, 17)
         _backward(model, optimizer, rows.split(4)[dp_rank])
         before = [ref.params().clone() for ref in refs]
         assert optimizer.step()[0]
