@@ -85,11 +85,14 @@ class RankPool:
     """N processes joined in one default process group, running tasks on request."""
 
     def __init__(self, world_size: int, timeout_s: float = 300.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, start_method: str = "forkserver") -> None:
         """`env`: variables the workers set before they start (e.g. TORCH_NCCL_BLOCKING_WAIT),
-        over this process's environment."""
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts
+        over this process's environment. `start_method` "spawn": workers that start a fresh
+        interpreter (for measures of a process's own memory: a forked one first touches
+        library pages the server had loaded)."""
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts
         store_file = tempfile.mktemp(prefix=f"megalite_pool{world_size}_")
         self.world_size, self.timeout_s = world_size, timeout_s
         self.conns, self.procs = [], []
@@ -160,10 +163,10 @@ class RankPool:
 
 
 def run_once(world_size: int, fn: Callable, *args, env: dict[str, str] | None = None,
-             **kwargs) -> list:
-    """Start a pool of `world_size` ranks (workers with `env`), run one task on it, stop it;
-    per-rank results."""
-    pool = RankPool(world_size, env=env)
+             start_method: str = "forkserver", **kwargs) -> list:
+    """Start a pool of `world_size` ranks (workers with `env`, started by `start_method`), run
+    one task on it, stop it; per-rank results."""
+    pool = RankPool(world_size, env=env, start_method=start_method)
     try:
         return pool.run(fn, *args, **kwargs)
     finally:
