@@ -36,7 +36,8 @@ from typing import Any, Callable
 
 # What workers import (torch; the compiler modules torch.optim and FSDP2 load on first use;
 # megalite's training loop and GPT task), loaded once by the fork server from this process's
-# sys.path when the first pool starts it. Nothing here may initialise CUDA.
+# sys.path when the first pool starts it. Nothing here may ask CUDA anything at import (a
+# device count poisons forked children's CUDA): megalite asks when it runs.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp",
            "torch.distributed.tensor", "megalite.training", "megalite.tasks.gpt"]
 
