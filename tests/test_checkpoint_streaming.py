@@ -110,8 +110,8 @@ def _reference_rise(root: str) -> int:
 
 
 def test_a_save_adds_at_most_the_bounded_buffer_where_copies_added_the_state(tmp_path):
-    new = run_once(1, _streamed_rises, str(tmp_path / "new"))[0]
-    old = run_once(1, _reference_rise, str(tmp_path / "old"))[0]
+    new = run_once(1, _streamed_rises, str(tmp_path / "new"), start_method="spawn")[0]
+    old = run_once(1, _reference_rise, str(tmp_path / "old"), start_method="spawn")[0]
     assert new["state"] > 30 * BUFFER and new["views"] > 10 * BUFFER
     assert new["first save"] <= BUFFER + MARGIN, new
     assert new["save"] <= BUFFER + MARGIN, new

@@ -44,24 +44,29 @@ def _errors(got: dict, want: dict) -> dict:
                         if n in want["grads"]), "missing": sorted(missing)}
 
 
-def _models() -> dict:
-    """name -> (transformers model, its megalite config, loader, grad renaming)."""
+def _references() -> dict:
+    """model name -> (megalite config, the transformers weights, {DP size: the transformers
+    model's loss and grads on that global batch}): computed here once, the ranks never import
+    transformers."""
     gpt2 = tiny_gpt2(vocab=VOCAB, positions=SEQ, layers=4, hidden=32)
     llama = tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                        num_hidden_layers=4, num_key_value_heads=2)
     gpt2_cfg, llama_cfg = gpt2_config(gpt2.config), llama_config(llama.config)
-    return {"gpt2": (gpt2, gpt2_cfg, load_hf, lambda g: gpt2_to_megalite(g, gpt2_cfg)),
-            "llama": (llama, llama_cfg, load_hf, lambda g: llama_to_megalite(g, llama_cfg))}
+    models = {"gpt2": (gpt2, gpt2_cfg, lambda g: gpt2_to_megalite(g, gpt2_cfg)),
+              "llama": (llama, llama_cfg, lambda g: llama_to_megalite(g, llama_cfg))}
+    sizes = {8 // (tp * pp * cp) for tp, pp, cp, _ in LAYOUTS.values()}
+    return {name: (config, hf.state_dict(), {dp: _hf_reference(hf, dp, to_megalite)
+                                             for dp in sizes})
+            for name, (hf, config, to_megalite) in models.items()}
 
 
-def _all() -> dict:
+def _all(references: dict) -> dict:
     out = {}
-    for model_name, (hf, config, load, to_megalite) in _models().items():
+    for model_name, (config, weights, want) in references.items():
         for name, (tp, pp, cp, sp) in LAYOUTS.items():
             got = parallel_step(config, tp, pp, cp, sp,
-                                load=lambda chunks: load(chunks, hf.state_dict(), config))
-            want = _hf_reference(hf, 8 // (tp * pp * cp), to_megalite)
-            out[f"{model_name} vs transformers, {name}"] = _errors(got, want)
+                                load=lambda chunks: load_hf(chunks, weights, config))
+            out[f"{model_name} vs transformers, {name}"] = _errors(got, want[8 // (tp * pp * cp)])
     return out
 
 
@@ -79,7 +84,7 @@ def _bad_splits() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return run_on_ranks(8, _all)
+    return run_on_ranks(8, _all, _references())
 
 
 def test_context_parallel_matches_references(results):

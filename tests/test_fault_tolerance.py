@@ -3,6 +3,8 @@ on one rank, SIGTERM mid-run, a rank SIGKILLed mid-step under torchrun while an 
 save is in flight, a hung collective
 (on NCCL with TORCH_NCCL_BLOCKING_WAIT=1, so the wait itself raises at the group's timeout
 instead of NCCL's watchdog aborting the process)."""
+import contextlib
+import datetime
 import os
 import signal
 import subprocess
@@ -96,9 +98,10 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_step_with_a_checkpoint(t
     assert checkpoint.latest_iteration(str(tmp_path / "term")) == 3
 
 
-def _hang_on_tp_group(timeout_s: float) -> tuple[float, str]:
+def _hang_on_tp_group(timeout_s: float, store_path: str) -> tuple[float, str]:
     """Both ranks all-reduce once on the TP group (NCCL builds its communicator at the first
-    collective, which no timeout bounds), then rank 0 again while rank 1 stays away for 6 s."""
+    collective, which no timeout bounds), then rank 0 again while rank 1 stays away until
+    rank 0's collective has ended (a key in a file store), or 10 s at most."""
     import torch.distributed as dist
 
     from megalite.mpu import initialize_model_parallel
@@ -106,19 +109,24 @@ def _hang_on_tp_group(timeout_s: float) -> tuple[float, str]:
     initialize_model_parallel(2, 1, timeout_s=timeout_s)
     ones, group = torch.ones(1, device=current_device()), ps.get_tensor_model_parallel_group()
     dist.all_reduce(ones, group=group)
+    store = dist.FileStore(store_path, 2)
     if dist.get_rank() == 1:
-        time.sleep(6)
+        with contextlib.suppress(RuntimeError):  # a store timeout: rank 0 never came back
+            store.wait(["ended"], datetime.timedelta(seconds=10))
         return 0.0, ""
     start = time.monotonic()
     try:
         dist.all_reduce(ones, group=group)
+        outcome = "no error"
     except RuntimeError as error:
-        return time.monotonic() - start, str(error).splitlines()[0]
-    return time.monotonic() - start, "no error"
+        outcome = str(error).splitlines()[0]
+    elapsed = time.monotonic() - start
+    store.set("ended", "1")
+    return elapsed, outcome
 
 
-def test_a_hung_tensor_parallel_collective_ends_within_the_group_timeout():
-    elapsed, error = run_once(2, _hang_on_tp_group, 1.0, timeout=60,
+def test_a_hung_tensor_parallel_collective_ends_within_the_group_timeout(tmp_path):
+    elapsed, error = run_once(2, _hang_on_tp_group, 1.0, str(tmp_path / "store"), timeout=60,
                               env={"TORCH_NCCL_BLOCKING_WAIT": "1"})[0]
     assert error != "no error" and 0.9 < elapsed < 5, (elapsed, error)
 

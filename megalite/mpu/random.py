@@ -38,11 +38,14 @@ class RNGStatesTracker:
 
     def __init__(self) -> None:
         self.states: dict[str, torch.Tensor] = {}
-        self.device_type = device_type()
+
+    @property
+    def device_type(self) -> str:
+        """Asked when used: importing this module touches no GPU (a fork server preloads it)."""
+        return device_type()
 
     def reset(self) -> None:
         self.states = {}
-        self.device_type = device_type()
 
     def add(self, name: str, seed: int) -> None:
         """A stream seeded with `seed` (from a fresh generator: the global ones are untouched)."""

@@ -1,8 +1,8 @@
 """The tests' rank pools: one megalite.distributed.rank_pool.RankPool per world size, kept for the session.
 
-Each pool starts once (import torch once, join one process group: 5 s for 4 ranks, 8 s for
-8 on 2 cores) and then runs test task after task; a pool that failed is dropped and the
-next task starts a fresh one. A task that loses gloo's connection mesh while the pool sets
+Each pool starts once (workers forked from the session's fork server, which imported torch
+and megalite once, join one process group: about a second) and then runs test task after
+task; a pool that failed is dropped and the next task starts a fresh one. A task that loses gloo's connection mesh while the pool sets
 up is tried once more. A pool runs on GPUs with NCCL when there is one per rank, else on
 the CPU with gloo (megalite.distributed.rank_pool); on GPUs its workers compute in IEEE fp32 (TF32
 off) with deterministic kernels, as the parity and bitwise tests need.
