@@ -2,7 +2,8 @@
 tools/convert_checkpoint.py, then `pretrain_gpt.py --load CK` with run-size flags only. The
 model, its tokenizer, and the built-in corpus tokenised with that tokenizer all follow from the
 checkpoint; the first loss equals transformers' loss on the same batch (transformers' own GGUF
-load, cached as in tests/helpers/smollm2.py). The checkpoint exports to a transformers directory
+load, cached as in tests/helpers/smollm2.py). The conversion is the session's
+(tests/conftest.py: `smollm2_checkpoint`). The checkpoint exports to a transformers directory
 that AutoTokenizer (chat template included) and AutoModelForCausalLM load, with transformers'
 logits, and tools/generate.py --load finds the tokenizer in the checkpoint.
 """
@@ -32,17 +33,14 @@ RUN_SIZE = ["--seq-length", "32", "--micro-batch-size", "2", "--exit-interval", 
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> tuple[str, str]:
+def converted(smollm2_checkpoint, tmp_path_factory) -> tuple[str, str]:
     """(SmolLM2 converted to a megalite checkpoint, a cache holding a small built-in corpus)."""
-    directory = tmp_path_factory.mktemp("smol")
-    ck, cache = str(directory / "ck"), str(directory / "cache")
-    convert_checkpoint.main(["--direction", "hf-to-megalite", "--model-type", "llama",
-                             "--input", smollm2_gguf_path(), "--output", ck])
+    cache = str(tmp_path_factory.mktemp("smol") / "cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bc, "builtin_documents", lambda workers: small_documents())
         patch.setattr(bc, "VOCAB_SIZE", 300)
         bc.builtin_corpus(os.path.join(cache, "builtin"))
-    return ck, cache
+    return smollm2_checkpoint, cache
 
 
 def _continue(ck: str, cache: str) -> tuple[dict[int, float], torch.Tensor]:
