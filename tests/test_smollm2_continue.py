@@ -5,13 +5,14 @@ checkpoint; the first loss equals transformers' loss on the same batch (transfor
 load, cached as in tests/helpers/smollm2.py). The conversion is the session's
 (tests/conftest.py: `smollm2_checkpoint`). The checkpoint exports to a transformers directory
 that AutoTokenizer (chat template included) and AutoModelForCausalLM load, with transformers'
-logits, and tools/generate.py --load finds the tokenizer in the checkpoint.
+logits, and tools/generate.py --load (run in a rank-pool worker) finds the tokenizer in the
+checkpoint.
 """
+import contextlib
 import hashlib
+import io
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,7 +29,6 @@ from tests.helpers.smollm2 import PROMPTS, cached_reference, hf_reference
 from tests.test_data_builtin import small_documents
 from tools import convert_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_SIZE = ["--seq-length", "32", "--micro-batch-size", "2", "--exit-interval", "1"]
 
 
@@ -43,6 +43,19 @@ def converted(smollm2_checkpoint, tmp_path_factory) -> tuple[str, str]:
     return smollm2_checkpoint, cache
 
 
+@contextlib.contextmanager
+def _megalite_cache(cache: str):
+    """MEGALITE_CACHE=cache in this process for the block."""
+    previous = os.environ.get("MEGALITE_CACHE")
+    os.environ["MEGALITE_CACHE"] = cache
+    try:
+        yield
+    finally:
+        os.environ.pop("MEGALITE_CACHE")
+        if previous is not None:
+            os.environ["MEGALITE_CACHE"] = previous
+
+
 def _continue(ck: str, cache: str) -> tuple[dict[int, float], torch.Tensor]:
     """`pretrain_gpt.py --load CK` + RUN_SIZE in this process: (losses, first batch)."""
     batches, forward_step = [], pretrain_gpt.forward_step
@@ -51,16 +64,24 @@ def _continue(ck: str, cache: str) -> tuple[dict[int, float], torch.Tensor]:
         batch = next(data_iterator)
         batches.append(batch["tokens"].clone())
         return forward_step(iter([batch]), model)
-    previous = os.environ.get("MEGALITE_CACHE")
-    os.environ["MEGALITE_CACHE"], pretrain_gpt.forward_step = cache, keep_batch
+    pretrain_gpt.forward_step = keep_batch
     try:
-        losses = pretrain_gpt.run(["--load", ck, *RUN_SIZE]).losses
+        with _megalite_cache(cache):
+            losses = pretrain_gpt.run(["--load", ck, *RUN_SIZE]).losses
     finally:
         pretrain_gpt.forward_step = forward_step
-        os.environ.pop("MEGALITE_CACHE")
-        if previous is not None:
-            os.environ["MEGALITE_CACHE"] = previous
     return losses, batches[0]
+
+
+def _generate(ck: str, cache: str) -> str:
+    """`tools/generate.py --load CK` in this rank-pool worker with MEGALITE_CACHE=cache (no
+    built-in tokenizer to fall back to): what it prints."""
+    from tools import generate
+    out = io.StringIO()
+    with _megalite_cache(cache), contextlib.redirect_stdout(out):
+        generate.main(["--load", ck, "--prompt", "The capital of France is",
+                       "--max-new-tokens", "3"])
+    return out.getvalue()
 
 
 def _transformers_loss(tokens: torch.Tensor) -> float:
@@ -103,9 +124,5 @@ def test_smollm2_export_loads_with_autotokenizer_and_automodel(converted, tmp_pa
 
 def test_generate_takes_the_tokenizer_from_the_checkpoint(converted, tmp_path):
     ck, _ = converted
-    result = subprocess.run(
-        [sys.executable, "tools/generate.py", "--load", ck, "--prompt", "The capital of France is",
-         "--max-new-tokens", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "MEGALITE_CACHE": str(tmp_path)})  # no built-in tokenizer to fall to
-    assert result.returncode == 0, result.stderr
-    assert "\nThe capital of France is Paris." in result.stdout, result.stdout
+    printed = run_on_ranks(1, _generate, ck, str(tmp_path))[0]
+    assert "\nThe capital of France is Paris." in printed, printed
