@@ -35,9 +35,21 @@ def _rank_pools():
 
 
 @pytest.fixture(scope="session")
-def smollm2_state(tmp_path_factory) -> str:
-    """SmolLM2-135M-Instruct converted by megalite.hf once per session (dequantising the GGUF
-    takes ~9 s): the state file of tests/smollm2.write_megalite_state."""
+def smollm2_checkpoint(tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct's GGUF converted once per session by tools/convert_checkpoint.py
+    (megalite.hf; parsing and dequantising take seconds): a megalite weights checkpoint with
+    the GGUF's tokenizer (chat template included). Tests only read it."""
     from megalite.hf import smollm2_gguf_path
+    from tools import convert_checkpoint
+    out = str(tmp_path_factory.mktemp("smollm2") / "ck")
+    convert_checkpoint.main(["--direction", "hf-to-megalite", "--model-type", "llama",
+                             "--input", smollm2_gguf_path(), "--output", out])
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_state(smollm2_checkpoint, tmp_path_factory) -> str:
+    """The weights of `smollm2_checkpoint` as one state file ranks memory-map
+    (tests/helpers/smollm2.write_megalite_state)."""
     from tests.helpers.smollm2 import write_megalite_state
-    return write_megalite_state(smollm2_gguf_path(), str(tmp_path_factory.mktemp("smollm2")))
+    return write_megalite_state(smollm2_checkpoint, str(tmp_path_factory.mktemp("smollm2_state")))

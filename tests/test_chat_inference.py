@@ -1,5 +1,5 @@
 """Chat on real weights: SmolLM2-135M-Instruct (its GGUF converted once into a megalite
-checkpoint with the GGUF's tokenizer and chat template, tests/helpers/smollm2.py) behind
+checkpoint with the GGUF's tokenizer and chat template, tests/conftest.py) behind
 tools/serve.py's /v1/chat/completions and tools/generate.py --chat, against transformers'
 `apply_chat_template(..., add_generation_prompt=True)` + greedy `generate` on its own GGUF
 load (cached), answer text for answer text, streamed or not."""
@@ -13,7 +13,7 @@ import torch
 
 from megalite.hf import smollm2_gguf_path
 from tests.helpers.multirank import run_on_ranks
-from tests.helpers.smollm2 import cached_checkpoint, cached_reference
+from tests.helpers.smollm2 import cached_reference
 from tests.test_inference_server import _post, _stream_events, serve
 
 CHATS = (
@@ -45,10 +45,9 @@ def _greedy_chats(tokenizer, model) -> dict:
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    """(the cached megalite checkpoint, transformers' answers to CHATS)."""
-    path = smollm2_gguf_path()
-    return cached_checkpoint(path), cached_reference(path, f"chat{NEW}", _greedy_chats)
+def smollm2(smollm2_checkpoint):
+    """(the session's megalite checkpoint, transformers' answers to CHATS)."""
+    return smollm2_checkpoint, cached_reference(smollm2_gguf_path(), f"chat{NEW}", _greedy_chats)
 
 
 @pytest.fixture(scope="module")

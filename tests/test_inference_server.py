@@ -70,7 +70,7 @@ def serve(*flags: str) -> tuple[subprocess.Popen, str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 pytest.fail(f"server did not start:\n{proc.stdout.read()}")
-            time.sleep(0.5)
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ megalite's own step (DDP buffers, expert grads over the expert-data-parallel gro
 schedule, AdamW) at one rank, EP2 x TP2 (+SP), EP2 x PP2 (4 ranks) and EP4 x DP2 (8 ranks),
 fp32: the first loss, every gradient (renamed to megalite's names from
 the HF grads, gathered over TP) and the losses after three AdamW steps agree. The batch is
-split over DP ranks, so the expert grads sum other ranks' tokens through the all-to-all."""
+split over DP ranks, so the expert grads sum other ranks' tokens through the all-to-all.
+transformers' side is computed once per family in this process and sent to the ranks."""
 import pytest
 import torch
 
@@ -26,6 +27,7 @@ from tests.helpers.reference import hf_token_loss, random_hf_model, rel_err
 VOCAB, SEQ, BATCH = 203, 10, 8
 # world size -> [(tp, pp, ep)]
 LAYOUTS = {1: [(1, 1, 1)], 4: [(2, 1, 2), (1, 2, 2)], 8: [(1, 1, 4)]}
+FAMILIES_UNDER_TEST = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def tiny_moe(family: str, seed: int = 0, **overrides):
@@ -58,15 +60,52 @@ def _forward_step(data_iterator, model):
                                                                            loss.mean().detach()})
 
 
-def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
+def _tokens() -> torch.Tensor:
+    """The batch [BATCH, SEQ + 1], on the CPU (transformers' input; megalite's rows move to
+    its device)."""
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1),
+                         device="cpu")
+
+
+def _model_config(hf):
+    """megalite's ModelConfig of a tiny_moe model."""
+    config = FAMILIES[hf.config.model_type].config_from_hf(hf.config)
+    config.max_position_embeddings = 32
+    return config
+
+
+def _reference(family: str, steps: int = 3) -> dict:
+    """transformers' side, computed once (not on every rank of every layout): the first loss,
+    its grads (renamed to megalite's names) and the losses of the `steps` AdamW steps after
+    the first."""
+    hf = tiny_moe(family)
+    tokens = _tokens()
+    loss = hf_token_loss(hf, tokens)
+    loss.backward()
+    grads = moe_to_megalite({n: p.grad for n, p in hf.named_parameters()}, _model_config(hf))
+    ref_opt = torch.optim.AdamW(
+        [{"params": [p for p in hf.parameters() if p.ndim > 1], "weight_decay": 0.01},
+         {"params": [p for p in hf.parameters() if p.ndim <= 1], "weight_decay": 0.0}],
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    ref_opt.step()
+    step_losses = []
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        step_loss = hf_token_loss(hf, tokens)
+        step_loss.backward()
+        ref_opt.step()
+        step_losses.append(step_loss.item())
+    return {"loss": loss.detach(), "grads": grads, "steps": step_losses}
+
+
+def _parity(family: str, reference: dict, tp: int, pp: int, ep: int) -> dict:
     hf = tiny_moe(family)
     sp = ["--sequence-parallel"] if tp > 1 else []  # needed with TP and EP (Megatron's rule)
     configs = parse_configs(["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), *sp,
                              "--micro-batch-size", "1", "--global-batch-size", str(BATCH),
                              "--seq-length", str(SEQ), "--clip-grad", "0", "--lr", "1e-3",
                              "--lr-decay-style", "constant", "--train-iters", "10"])
-    configs.model = FAMILIES[family].config_from_hf(hf.config)
-    configs.model.max_position_embeddings = 32
+    configs.model = _model_config(hf)
     layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
     setup_parallel(configs, layout)
     model = build_model(configs, lambda pre_process, post_process: GPTModel(
@@ -75,8 +114,7 @@ def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
     load_full_state_dict(model, moe_to_megalite(hf.state_dict(), configs.model))
     from megalite.optimizer import get_optimizer
     optimizer, _ = get_optimizer(configs.optimizer, configs.precision, model, 10)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1),
-                           device="cpu")  # transformers' input; megalite's rows move to dev
+    tokens = _tokens()
     dp, d, dev = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), current_device()
 
     def batches():
@@ -86,43 +124,36 @@ def _parity(family: str, tp: int, pp: int, ep: int, steps: int = 3) -> dict:
         chunk.zero_grad_buffer()
     losses = run_schedule(_forward_step, batches(), model, layout, forward_only=False)
     finalize_model_grads(model)
-    ref_loss = hf_token_loss(hf, tokens)
-    ref_loss.backward()
-    ref_grads = moe_to_megalite({n: p.grad for n, p in hf.named_parameters()}, configs.model)
-    grad_errors = {name: rel_err(gather_tensor_parallel(p.main_grad, p), ref_grads[name])
+    grad_errors = {name: rel_err(gather_tensor_parallel(p.main_grad, p),
+                                 reference["grads"][name])
                    for chunk in model for name, p in chunk.module.named_parameters()}
     loss = torch.stack([x["lm loss"] for x in losses]).mean()
     torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
-    errors = {"loss": rel_err(loss / dp, ref_loss), "grad": max(grad_errors.values()),
+    errors = {"loss": rel_err(loss / dp, reference["loss"]), "grad": max(grad_errors.values()),
               "params": len(grad_errors)}
     optimizer.step()
-    ref_opt = torch.optim.AdamW(
-        [{"params": [p for p in hf.parameters() if p.ndim > 1], "weight_decay": 0.01},
-         {"params": [p for p in hf.parameters() if p.ndim <= 1], "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    ref_opt.step()
     errors["steps"] = []
-    for _ in range(steps):
-        ref_opt.zero_grad()
-        ref_loss = hf_token_loss(hf, tokens)
-        ref_loss.backward()
-        ref_opt.step()
+    for ref_loss in reference["steps"]:
         loss, _, _ = train_step(_forward_step, batches(), model, optimizer, layout)
-        errors["steps"].append(abs(loss - ref_loss.item()) / abs(ref_loss.item()))
+        errors["steps"].append(abs(loss - ref_loss) / abs(ref_loss))
     return errors
 
 
-def _both_families(layouts: list[tuple[int, int, int]]) -> dict:
-    return {(family, layout): _parity(family, *layout) for family in ("mixtral", "qwen2_moe", "qwen3_moe")
-            for layout in layouts}
+def _both_families(layouts: list[tuple[int, int, int]], references: dict) -> dict:
+    return {(family, layout): _parity(family, references[family], *layout)
+            for family in FAMILIES_UNDER_TEST for layout in layouts}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {family: _reference(family) for family in FAMILIES_UNDER_TEST}
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_moe_models_match_transformers_under_expert_parallelism(world):
-    results = run_on_ranks(world, _both_families, LAYOUTS[world])
+def test_moe_models_match_transformers_under_expert_parallelism(world, references):
+    results = run_on_ranks(world, _both_families, LAYOUTS[world], references)
     for rank, per_rank in enumerate(results):
         for key, e in per_rank.items():
             assert e["loss"] < 1e-5 and e["grad"] < 1e-4, (rank, key, e)
-            assert max(e["steps"]) < 1e-5, (rank, key, e)
+            assert len(e["steps"]) == 3 and max(e["steps"]) < 1e-5, (rank, key, e)
     print({k: (e["loss"], e["grad"], max(e["steps"])) for k, e in results[0].items()})
-

@@ -15,6 +15,7 @@ from megalite.models.stage import build_model_chunks
 from megalite.mpu import destroy_model_parallel, initialize_model_parallel
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.mappings import gather_from_tensor_model_parallel_region
+from megalite.mpu.random import weights_loaded_next
 from megalite.schedules import get_forward_backward_func
 from tests.helpers.multirank import run_on_ranks
 from tests.helpers.smollm2 import hf_reference, read_megalite_state
@@ -29,8 +30,9 @@ def _logits(state_path: str, prompt_ids: list[torch.Tensor], tp: int, pp: int) -
     if tp * pp == 1 and torch.distributed.get_rank() != 0:
         return None
     config, state = read_megalite_state(state_path)
-    chunks = build_model_chunks(lambda pre_process, post_process: GPTModel(
-        config, pre_process, post_process, device=current_device()).eval())
+    with weights_loaded_next():  # every weight is loaded: none drawn first
+        chunks = build_model_chunks(lambda pre_process, post_process: GPTModel(
+            config, pre_process, post_process, device=current_device()).eval())
     load_full_state_dict(chunks, state)
     out = []
 

@@ -2,15 +2,17 @@
 tools/convert_checkpoint.py, then `pretrain_gpt.py --load CK` with run-size flags only. The
 model, its tokenizer, and the built-in corpus tokenised with that tokenizer all follow from the
 checkpoint; the first loss equals transformers' loss on the same batch (transformers' own GGUF
-load, cached as in tests/helpers/smollm2.py). The checkpoint exports to a transformers directory
+load, cached as in tests/helpers/smollm2.py). The conversion is the session's
+(tests/conftest.py: `smollm2_checkpoint`). The checkpoint exports to a transformers directory
 that AutoTokenizer (chat template included) and AutoModelForCausalLM load, with transformers'
-logits, and tools/generate.py --load finds the tokenizer in the checkpoint.
+logits, and tools/generate.py --load (run in a rank-pool worker) finds the tokenizer in the
+checkpoint.
 """
+import contextlib
 import hashlib
+import io
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,22 +29,31 @@ from tests.helpers.smollm2 import PROMPTS, cached_reference, hf_reference
 from tests.test_data_builtin import small_documents
 from tools import convert_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_SIZE = ["--seq-length", "32", "--micro-batch-size", "2", "--exit-interval", "1"]
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> tuple[str, str]:
+def converted(smollm2_checkpoint, tmp_path_factory) -> tuple[str, str]:
     """(SmolLM2 converted to a megalite checkpoint, a cache holding a small built-in corpus)."""
-    directory = tmp_path_factory.mktemp("smol")
-    ck, cache = str(directory / "ck"), str(directory / "cache")
-    convert_checkpoint.main(["--direction", "hf-to-megalite", "--model-type", "llama",
-                             "--input", smollm2_gguf_path(), "--output", ck])
+    cache = str(tmp_path_factory.mktemp("smol") / "cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bc, "builtin_documents", lambda workers: small_documents())
         patch.setattr(bc, "VOCAB_SIZE", 300)
         bc.builtin_corpus(os.path.join(cache, "builtin"))
-    return ck, cache
+    return smollm2_checkpoint, cache
+
+
+@contextlib.contextmanager
+def _megalite_cache(cache: str):
+    """MEGALITE_CACHE=cache in this process for the block."""
+    previous = os.environ.get("MEGALITE_CACHE")
+    os.environ["MEGALITE_CACHE"] = cache
+    try:
+        yield
+    finally:
+        os.environ.pop("MEGALITE_CACHE")
+        if previous is not None:
+            os.environ["MEGALITE_CACHE"] = previous
 
 
 def _continue(ck: str, cache: str) -> tuple[dict[int, float], torch.Tensor]:
@@ -53,16 +64,24 @@ def _continue(ck: str, cache: str) -> tuple[dict[int, float], torch.Tensor]:
         batch = next(data_iterator)
         batches.append(batch["tokens"].clone())
         return forward_step(iter([batch]), model)
-    previous = os.environ.get("MEGALITE_CACHE")
-    os.environ["MEGALITE_CACHE"], pretrain_gpt.forward_step = cache, keep_batch
+    pretrain_gpt.forward_step = keep_batch
     try:
-        losses = pretrain_gpt.run(["--load", ck, *RUN_SIZE]).losses
+        with _megalite_cache(cache):
+            losses = pretrain_gpt.run(["--load", ck, *RUN_SIZE]).losses
     finally:
         pretrain_gpt.forward_step = forward_step
-        os.environ.pop("MEGALITE_CACHE")
-        if previous is not None:
-            os.environ["MEGALITE_CACHE"] = previous
     return losses, batches[0]
+
+
+def _generate(ck: str, cache: str) -> str:
+    """`tools/generate.py --load CK` in this rank-pool worker with MEGALITE_CACHE=cache (no
+    built-in tokenizer to fall back to): what it prints."""
+    from tools import generate
+    out = io.StringIO()
+    with _megalite_cache(cache), contextlib.redirect_stdout(out):
+        generate.main(["--load", ck, "--prompt", "The capital of France is",
+                       "--max-new-tokens", "3"])
+    return out.getvalue()
 
 
 def _transformers_loss(tokens: torch.Tensor) -> float:
@@ -105,9 +124,5 @@ def test_smollm2_export_loads_with_autotokenizer_and_automodel(converted, tmp_pa
 
 def test_generate_takes_the_tokenizer_from_the_checkpoint(converted, tmp_path):
     ck, _ = converted
-    result = subprocess.run(
-        [sys.executable, "tools/generate.py", "--load", ck, "--prompt", "The capital of France is",
-         "--max-new-tokens", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "MEGALITE_CACHE": str(tmp_path)})  # no built-in tokenizer to fall to
-    assert result.returncode == 0, result.stderr
-    assert "\nThe capital of France is Paris." in result.stdout, result.stdout
+    printed = run_on_ranks(1, _generate, ck, str(tmp_path))[0]
+    assert "\nThe capital of France is Paris." in printed, printed

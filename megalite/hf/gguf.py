@@ -47,6 +47,21 @@ def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
+def _plain_array_reader(reader_class: type) -> type:
+    """`reader_class` (gguf.GGUFReader) parsing a plain ndarray view of its memory map: the same
+    bytes, mapped the same, but slicing skips np.memmap's Python-level `__array_finalize__`,
+    which made parsing the tokenizer's ~100k strings take seconds."""
+    class PlainArrayReader(reader_class):
+        @property
+        def data(self) -> np.ndarray:
+            return self._mapped
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._mapped = mapped.view(np.ndarray)
+    return PlainArrayReader
+
+
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -67,7 +82,7 @@ def read_llama_gguf(path: str, log: Callable[[str], None] = lambda message: None
     start = time.perf_counter()
     log(f"reading {path} ({os.path.getsize(path) / 1e6:.0f} MB)")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _plain_array_reader(gguf.GGUFReader)(path)
     except Exception as error:  # the reader raises ValueError / struct errors on bad bytes
         raise ValueError(f"{path}: not a readable GGUF file ({error})") from error
     arch = _field(reader, "general.architecture")

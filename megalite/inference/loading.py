@@ -16,6 +16,7 @@ from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.models import GPTModel
 from megalite.models.sharding import load_full_state_dict
 from megalite.mpu import parallel_state as ps
+from megalite.mpu.random import weights_loaded_next
 
 State = dict[str, torch.Tensor]
 
@@ -47,12 +48,13 @@ def read_gguf(path: str, log: Callable[[str], None] = lambda message: None
 def build_inference_model(config: ModelConfig, full: State,
                           dtype: torch.dtype = torch.float32) -> nn.Module:
     """This rank's stage of the GPT-family model (TP/PP from the initialised grid), filled
-    from full weights, dropout off, in eval mode on the current device."""
+    from full weights (not drawn first), dropout off, in eval mode on the current device."""
     from megalite.device import current_device
     config = dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(config, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), params_dtype=dtype,
-                     device=current_device())
+    with weights_loaded_next():
+        model = GPTModel(config, pre_process=ps.is_pipeline_first_stage(),
+                         post_process=ps.is_pipeline_last_stage(), params_dtype=dtype,
+                         device=current_device())
     load_full_state_dict(model, full)
     return model.eval()
 

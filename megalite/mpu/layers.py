@@ -27,7 +27,7 @@ from megalite.mpu.mappings import (copy_to_tensor_model_parallel_region,
                                    reduce_from_tensor_model_parallel_region,
                                    reduce_scatter_to_sequence_parallel_region,
                                    scatter_to_tensor_model_parallel_region)
-from megalite.mpu.random import init_generator
+from megalite.mpu.random import init_generator, skips_init
 from megalite.mpu.weight_grad import linear
 
 # Fills a CPU tensor in place. The TP layers apply it to consecutive blocks of rows of the
@@ -97,7 +97,7 @@ def _sharded_parameter(full_shape: tuple[int, ...], partition_dim: int, size: in
     each split) of the full fp32 tensor whose first `init_rows` rows (default: all)
     `init_method` fills, the others zero. The full tensor is never held: it is drawn on the
     CPU a block of rows at a time (`_row_blocks`) and each block's share kept. On the meta
-    device nothing is drawn."""
+    device nothing is drawn; inside `megalite.mpu.random.weights_loaded_next` it is zero."""
     shards = size // replicas
     index = _split_shards(torch.arange(full_shape[partition_dim]), 0, stride, shards)[
         rank // replicas]
@@ -105,6 +105,8 @@ def _sharded_parameter(full_shape: tuple[int, ...], partition_dim: int, size: in
     shape[partition_dim] = len(index)
     if torch.device(device or "cpu").type == "meta":  # shapes only (e.g. checking names)
         local = torch.empty(shape, device="meta")
+    elif skips_init():
+        local = torch.zeros(shape)
     else:
         local = _draw_shard(shape, index, full_shape, partition_dim, init_method, init_rows)
     param = nn.Parameter(local.to(device=device, dtype=dtype))

@@ -115,6 +115,27 @@ def init_generator() -> torch.Generator | None:
     return _init_generator
 
 
+_skip_init = False
+
+
+@contextlib.contextmanager
+def weights_loaded_next() -> Iterator[None]:
+    """The tensor-parallel weights built inside the block start at zero instead of being drawn
+    (drawing means the full tensor on every TP rank: seconds for a 100M-parameter model), for
+    a model whose weights are all loaded right after. No generator is touched."""
+    global _skip_init
+    outer, _skip_init = _skip_init, True
+    try:
+        yield
+    finally:
+        _skip_init = outer
+
+
+def skips_init() -> bool:
+    """Whether a `weights_loaded_next` block is open."""
+    return _skip_init
+
+
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, function, *args):

@@ -2,14 +2,15 @@
 
 The reference is transformers' own GGUF loader (`from_pretrained(dir, gguf_file=...)`,
 its dequantisation and q/k unpermutation, independent of megalite.hf.gguf). Loading it takes
-about a minute here, so its tokenised prompts and logits are cached under
+about a minute here, so what the tests compute with it is cached under
 `$MEGALITE_CACHE/smollm2` (default ~/.cache/megalite), keyed by the file and the
-transformers version. Tests of the tools rather than of the conversion load a megalite
-checkpoint converted once and cached there too (`cached_checkpoint`).
+transformers version, and the model is loaded at most once per session. megalite's side is
+converted once per session (tests/conftest.py: `smollm2_checkpoint`, `smollm2_state`).
 """
+import dataclasses
+import functools
 import json
 import os
-import shutil
 
 import torch
 
@@ -25,13 +26,8 @@ def cached_reference(gguf_path: str, kind: str, compute) -> dict:
                                       f"transformers{transformers.__version__}.pt")
     if os.path.exists(path):
         return torch.load(path, weights_only=True)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    directory, name = os.path.split(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
-                                                 dtype=torch.float32).eval()
     with torch.no_grad():
-        reference = compute(tokenizer, model)
+        reference = compute(*_transformers_load(gguf_path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(reference, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -44,27 +40,15 @@ def _cache_dir() -> str:
     return os.path.join(root, "smollm2")
 
 
-def cached_checkpoint(gguf_path: str) -> str:
-    """A megalite weights checkpoint of the GGUF (converted by megalite.hf) with the GGUF's
-    tokenizer saved in it (chat template included), written once as
-    `$MEGALITE_CACHE/smollm2/checkpoint-<file size>-format<N>` (540 MB): `--load` reads it
-    in about a second, where the GGUF takes tens to dequantise. Returns its directory."""
-    from megalite.checkpoint import FORMAT, write_weights_checkpoint
-    from megalite.data.tokenizers import HFTokenizer
-    from megalite.hf import llama_config, llama_to_megalite, read_llama_gguf
-    root = os.path.join(_cache_dir(), f"checkpoint-{os.path.getsize(gguf_path)}-format{FORMAT}")
-    if os.path.isdir(root):
-        return root
-    hf_config, hf_state = read_llama_gguf(gguf_path)
-    config = llama_config(hf_config)
-    tmp = f"{root}.tmp{os.getpid()}"
-    write_weights_checkpoint(tmp, llama_to_megalite(hf_state, config), config,
-                             tokenizer=HFTokenizer(gguf_path))
-    try:
-        os.rename(tmp, root)
-    except OSError:  # another process cached it first
-        shutil.rmtree(tmp)
-    return root
+@functools.cache
+def _transformers_load(gguf_path: str) -> tuple:
+    """(tokenizer, fp32 eval model) of transformers' own GGUF load, once per session."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    directory, name = os.path.split(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                 dtype=torch.float32).eval()
+    return tokenizer, model
 
 
 def _logits(tokenizer, model) -> dict:
@@ -77,16 +61,13 @@ def hf_reference(gguf_path: str) -> dict:
     return cached_reference(gguf_path, "reference", _logits)
 
 
-def write_megalite_state(gguf_path: str, directory: str) -> str:
-    """Convert the GGUF once (megalite.hf) to a full megalite state dict file + config JSON;
-    ranks then map it instead of each dequantising the GGUF. Returns the state file."""
-    import dataclasses
-
-    from megalite.hf import llama_config, llama_to_megalite, read_llama_gguf
-    hf_config, hf_state = read_llama_gguf(gguf_path)
-    config = llama_config(hf_config)
+def write_megalite_state(checkpoint_dir: str, directory: str) -> str:
+    """The full weights of a megalite checkpoint as one state dict file + config JSON, which
+    ranks memory-map instead of each reading the checkpoint. Returns the state file."""
+    from megalite.inference.loading import read_checkpoint
+    config, full, _ = read_checkpoint(checkpoint_dir)
     state_path = os.path.join(directory, "smollm2_megalite.pt")
-    torch.save(llama_to_megalite(hf_state, config), state_path)
+    torch.save(full, state_path)
     with open(os.path.join(directory, "smollm2_config.json"), "w") as f:
         json.dump(dataclasses.asdict(config), f)
     return state_path
