@@ -3,8 +3,9 @@ megalite.distributed.compressed) against references written here from the papers
 (Tang et al. 2021, Li et al. 2021, DeepSpeed's algorithm):
 
 - the compressed all-reduce at DP 2, 4 and 8 over several steps (error feedback exercised)
-  equals a single-process reference: sign (x >= 0 -> +1), scale = ||chunk|| / sqrt(c) per
-  chunk, worker and server errors; bits travel 8 per byte;
+  equals a single-process reference: sign (x >= 0 -> +1), scale = ||piece|| / sqrt(its size)
+  per piece (one tensor's elements in one chunk), worker and server errors; bits travel 8
+  per byte;
 - onebit_adam at TP2 x PP2 x DP2, plain and with ZeRO-1: its warm-up steps equal
   torch.optim.AdamW exactly, its compressed steps a reference 1-bit Adam over each bucket's
   flat grads (the local grads of both DP ranks, gathered);
@@ -26,37 +27,57 @@ from megalite.layout import RunLayout
 from tests.helpers.gpt_run import make_dataset, tiny_args, train
 from tests.helpers.multirank import run_on_ranks
 
-N, STEPS = 1000, 3  # elements per rank (not a multiple of 8 x DP: padding exercised), steps
+# elements per rank as tensors of SIZES elements and MAGNITUDES (not a multiple of 8 x DP:
+# padding exercised; chunks that span tensors of very different scales), steps
+N, SIZES, MAGNITUDES, STEPS = 3000, (900, 21, 1800, 279), (1.0, 100.0, 0.01, 10.0), 3
 
 
 def inputs(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(N, generator=torch.Generator().manual_seed(100 * step + rank),
-                       device="cpu")
+    scales = torch.repeat_interleave(torch.tensor(MAGNITUDES), torch.tensor(SIZES))
+    return scales * torch.randn(N, generator=torch.Generator().manual_seed(100 * step + rank),
+                                device="cpu")
 
 
-def reference_compress(rows: torch.Tensor) -> torch.Tensor:
-    """Rows [r, c] -> sign(row) * ||row|| / sqrt(c), sign(0) = +1."""
-    scale = rows.pow(2).sum(1, keepdim=True).sqrt() / math.sqrt(rows.shape[1])
-    return torch.where(rows >= 0, 1.0, -1.0) * scale
+def tensor_ids(n: int, c: int, w: int, sizes) -> torch.Tensor:
+    """[w c]: which tensor of `sizes` (concatenated; n - sum(sizes) more elements one more
+    tensor) each element of the padded flat belongs to, -1 for the padding past n."""
+    sizes = [*sizes, n - sum(sizes)]
+    ids = torch.full((w * c,), -1)
+    ids[:n] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    return ids
+
+
+def reference_compress(chunk: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """One chunk [c] -> sign(x) * ||piece|| / sqrt(piece size) for each piece (its elements of
+    one tensor id in `ids` [c]), sign(0) = +1."""
+    out = torch.zeros_like(chunk)
+    for i in ids.unique():
+        piece = chunk[ids == i]
+        out[ids == i] = torch.where(piece >= 0, 1.0, -1.0) * piece.pow(2).sum().sqrt() / (
+            math.sqrt(piece.numel()))
+    return out
 
 
 def reference_allreduce(xs: list[torch.Tensor], worker: list[torch.Tensor],
-                        server: list[torch.Tensor]) -> torch.Tensor:
-    """One step of the compressed average of xs (one per rank); updates the error lists."""
+                        server: list[torch.Tensor], sizes) -> torch.Tensor:
+    """One step of the compressed average of xs (one per rank; the tensors of `sizes`
+    concatenated); updates the error lists."""
     w, n = len(xs), xs[0].numel()
     c = math.ceil(n / (8 * w)) * 8
+    ids = tensor_ids(n, c, w, sizes).to(xs[0].device).view(w, c)
     sent = []
     for r, x in enumerate(xs):
-        padded = torch.zeros(w * c, device="cpu")
+        padded = torch.zeros(w * c, device=x.device)
         padded[:n] = x
         padded += worker[r]
-        approx = reference_compress(padded.view(w, c)).view(-1)
+        approx = torch.stack([reference_compress(chunk, i) for chunk, i in
+                              zip(padded.view(w, c), ids)]).view(-1)
         worker[r] = padded - approx
         sent.append(approx.view(w, c))
     out = []
     for k in range(w):
         served = sum(sent[r][k] for r in range(w)) / w + server[k]
-        approx = reference_compress(served.view(1, c)).view(-1)
+        approx = reference_compress(served, ids[k])
         server[k] = served - approx
         out.append(approx)
     return torch.cat(out)[:n]
@@ -67,7 +88,8 @@ def _compressed_steps() -> dict:
     from megalite.distributed.compressed import CompressedAllReduce, pack_signs
     from megalite.mpu import comm
     rank, world, device = dist.get_rank(), dist.get_world_size(), current_device()
-    reducer, outputs, counted = CompressedAllReduce(N, world, device=device), [], []
+    reducer = CompressedAllReduce(N, world, device=device, sizes=list(SIZES))
+    outputs, counted = [], []
     for step in range(STEPS):
         x = inputs(step, rank).to(device)
         with comm.count_bytes() as moved:
@@ -85,14 +107,22 @@ def test_compressed_allreduce_equals_the_reference(world):
     c = math.ceil(N / (8 * world)) * 8
     worker, server = [torch.zeros(world * c)] * world, [torch.zeros(c)] * world
     for step in range(STEPS):
-        want = reference_allreduce([inputs(step, r) for r in range(world)], worker, server)
+        want = reference_allreduce([inputs(step, r) for r in range(world)], worker, server,
+                                   SIZES)
         for rank, result in enumerate(results):
-            err = (result["outputs"][step] - want).abs().max() / want.abs().max()
-            assert err <= 1e-6, (world, step, rank, err.item())
+            # per tensor, relative to its largest value (the tensors' scales differ 10^4-fold)
+            for lo, hi in zip((0, *torch.tensor(SIZES).cumsum(0).tolist()),
+                              torch.tensor(SIZES).cumsum(0).tolist()):
+                got, ref = result["outputs"][step][lo:hi], want[lo:hi]
+                err = (got - ref).abs().max() / ref.abs().max()
+                assert err <= 1e-6, (world, step, rank, lo, err.item())
+    pieces = max(len(ids.unique()) for ids in tensor_ids(N, c, world, SIZES).view(world, c))
     for result in results:
         assert result["packed"] == (torch.uint8, 8)
-        # the comm accounting's figure: (w - 1) payloads all-to-all + one all-gathered
-        assert result["counted"] == [result["bytes_sent"]] * STEPS == [world * (c // 8 + 4)] * STEPS
+        # the comm accounting's figure: (w - 1) payloads all-to-all + one all-gathered, each
+        # the packed signs and a 4-byte scale per piece (the most pieces in one chunk)
+        assert result["counted"] == [result["bytes_sent"]] * STEPS == [
+            world * (c // 8 + 4 * pieces)] * STEPS
         assert 4 * N / result["bytes_sent"] > 20  # vs an fp32 all-reduce's payload
 
 
@@ -128,6 +158,7 @@ class BucketReference:
         self.bucket, self.world = bucket, world
         self.spans = [(p, ranges[p][0] - bucket.start, ranges[p][1] - bucket.start)
                       for p in bucket.params]
+        self.sizes = [b - a for _, a, b in self.spans]  # the 1-bit scales' tensors
         self.copies = [p.detach().clone().view(-1) for p, _, _ in self.spans]
         decayed = [c for (p, _, _), c in zip(self.spans, self.copies) if p.ndim > 1]
         kept = [c for (p, _, _), c in zip(self.spans, self.copies) if p.ndim <= 1]
@@ -163,7 +194,7 @@ class BucketReference:
             return None
         beta1, beta2 = BETAS
         self.m = reference_allreduce([torch.lerp(self.m, g, 1 - beta1) for g in local_grads],
-                                     self.worker, self.server)
+                                     self.worker, self.server, self.sizes)
         v_hat = self.v / (1 - beta2 ** FREEZE)
         self.p = self.p * (1 - LR * self.wd) - LR / (1 - beta1 ** step) * self.m / (
             v_hat.sqrt() + EPS)
@@ -199,7 +230,7 @@ class LambBucketReference(BucketReference):
             self.fresh = self.v.clone()
         else:
             new = reference_allreduce([torch.lerp(self.m, g, 1 - beta1) for g in local_grads],
-                                      self.worker, self.server)
+                                      self.worker, self.server, self.sizes)
             grad = (new - beta1 * self.m) / (1 - beta1)
             self.fresh = self.fresh * beta2 + (1 - beta2) * grad ** 2
             self.m = new
@@ -386,6 +417,7 @@ class ZeroOneReference:
         self.bucket, self.world, self.rank = bucket, world, rank
         self.spans = [(p, ranges[p][0] - bucket.start, ranges[p][1] - bucket.start)
                       for p in bucket.params]
+        self.sizes = [b - a for _, a, b in self.spans]  # the 1-bit scales' tensors
         n = bucket.end - bucket.start
         self.p = torch.zeros(n, device="cpu")
         self.wd = torch.zeros(n, device="cpu")
@@ -407,7 +439,7 @@ class ZeroOneReference:
         if step <= ZERO_ONE["var_freeze_step"]:
             variance = step in VARIANCE_STEPS
             g = mean_grads if variance else reference_allreduce(local_grads, self.worker,
-                                                                  self.server)
+                                                                  self.server, self.sizes)
             self.m = torch.lerp(self.m, g, 1 - beta1)
             if variance:
                 self.v = beta2 * self.v + (1 - beta2) * g * g
@@ -427,7 +459,7 @@ class ZeroOneReference:
         self.lr_sum += LR
         if step in SYNC_STEPS:
             u = reference_allreduce([(p - self.anchor) * d for p, _ in self.local], self.worker,
-                                    self.server)
+                                    self.server, self.sizes)
             u = torch.where(self.v > 0, u, 0.0)
             self.anchor = self.anchor + u / d
             self.local = [(self.anchor, -u / self.lr_sum)] * self.world

@@ -33,7 +33,7 @@ class DistributedDataParallel(ChunkWrapper):
     the TP-replicated ones (TP > 1; neither split over TP nor summed over it afterwards:
     norms, biases of row-parallel layers) a grad buffer, the tied embedding (first and last
     stage) a bucket. A reducer whose result depends on the whole bucket (the 1-bit
-    compression's chunk scales) then gives the replicas the same values.
+    compression's chunks and pieces) then gives the replicas the same values.
     Calls and unknown attributes (`set_input_tensor`, `config`, ...) go to the wrapped module.
     """
 

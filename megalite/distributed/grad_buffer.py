@@ -39,6 +39,7 @@ class Bucket:
         self.mean_over = mean_over or self.dp
         self.rank = dist.get_rank(group) if self.dp > 1 else 0
         self.reducer, self.bytes_sent = reducer, 0
+        reducer.set_tensor_sizes([p.numel() for p in params])
         self.reset()
 
     def reset(self) -> None:

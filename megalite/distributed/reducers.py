@@ -36,6 +36,10 @@ class GradReducer(ABC):
         if handle is not None:
             handle.wait()
 
+    def set_tensor_sizes(self, sizes: list[int]) -> None:
+        """Told once by its bucket: the element counts of the tensors its flat grads
+        concatenate, in order (any rest is padding); a per-tensor reduction keeps them."""
+
     def state_dict(self) -> dict:
         """State carried from step to step (error buffers; checkpointed per rank): none."""
         return {}

@@ -62,7 +62,7 @@ class OptimizerKind:
     # fp32 bytes per parameter the reducer keeps on every rank over DP x CP = n, whatever the
     # sharding (the 1-bit family: momentum and worker error, server error / n)
     reducer_bytes: Callable[[int], float] = lambda n: 0.0
-    # the reducer's result depends on the whole bucket (1-bit chunk scales): replicated params
+    # the reducer's result depends on the whole bucket (its 1-bit chunks): replicated params
     # (over TP; the tied embedding) get buckets of their own, so that their copies stay equal
     replicas_apart: bool = False
 

@@ -38,23 +38,29 @@ class MomentumReducer(GradReducer):
         self.steps = 0
         self.momentum: torch.Tensor | None = None
         self.compressor: CompressedAllReduce | None = None
+        self.sizes: list[int] | None = None  # the bucket's tensors (set_tensor_sizes)
 
     def compressing(self) -> bool:
         """Whether the next step is in the compressed stage."""
         return self.steps >= self.freeze_step
 
+    def set_tensor_sizes(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
     def stage(self) -> str:
         return "compressed" if self.compressing() else "warm-up"
 
     def stage_bytes(self, n: int, world: int) -> dict[str, int]:
-        return {"warm-up": 4 * n, "compressed": CompressedAllReduce.payload_bytes(n, world)}
+        return {"warm-up": 4 * n,
+                "compressed": CompressedAllReduce.payload_bytes(n, world, self.sizes)}
 
     def start(self, flat: torch.Tensor, group) -> None:
         world = comm.world_size(group)
         if self.momentum is None:
             self.momentum = torch.zeros_like(flat)
         if self.compressor is None:
-            self.compressor = CompressedAllReduce(flat.numel(), world, flat.device)
+            self.compressor = CompressedAllReduce(flat.numel(), world, flat.device,
+                                                  self.sizes)
         if not self.compressing():
             comm.all_reduce(flat, group)
             self.momentum.lerp_(flat, 1 - self.beta1)
@@ -84,7 +90,7 @@ class MomentumReducer(GradReducer):
         self.compressor = None
         if "worker_error" in state:
             self.compressor = CompressedAllReduce(self.momentum.numel(), comm.world_size(group),
-                                                  self.momentum.device)
+                                                  self.momentum.device, self.sizes)
             self.compressor.worker_error.copy_(state["worker_error"])
             self.compressor.server_error.copy_(state["server_error"])
 

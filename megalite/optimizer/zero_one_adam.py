@@ -20,13 +20,14 @@ Elements whose variance is 0 (no nonzero grad on any variance step yet: vocabula
 rows, tokens not seen) keep m = 0 and take no part of u: a 1-bit value there would step by
 1 / eps (DeepSpeed's user-given exp_avg_mask, derived here). No bias correction (as
 DeepSpeed). Between synchronisations p and m differ across DP ranks; a, v and s do not.
-Each DP bucket's `ZeroOneReducer` (the megalite.distributed.reducers seam) moves the grads of the steps t <= F and holds the bucket's compressed all-reduce, with
-which the optimizer synchronises the bucket's elements (`attach` tells it where they are).
+Each DP bucket's `ZeroOneReducer` (the megalite.distributed.reducers seam) moves the grads
+of the steps t <= F and holds the bucket's compressed all-reduce, with which the optimizer
+synchronises the bucket's elements (`attach` tells it where they are).
 Differences from DeepSpeed: its first step only initialises (no update), which shifts its
 counts by one; it recovers the anchor as p minus the accumulated update (rounding apart on
 each rank), here the anchor is kept (4 bytes per parameter) so that every DP rank holds the
-same bits after a synchronisation; one scale per chunk of a DP bucket, which mixes tensors
-(megalite.distributed.compressed; DeepSpeed compresses tensor by tensor).
+same bits after a synchronisation; a 1-bit scale per piece of a tensor in a chunk of a DP
+bucket (megalite.distributed.compressed; DeepSpeed: one per tensor at the worker).
 Needs whole parameters on every DP rank: no ZeRO (`check_zero_one_run`).
 """
 from collections.abc import Callable
@@ -69,7 +70,11 @@ class ZeroOneReducer(GradReducer):
         self.local_scaler, self.local_clipper = local_scaler, local_clipper
         self.steps = 0
         self.compressor: CompressedAllReduce | None = None
+        self.sizes: list[int] | None = None  # the bucket's tensors (set_tensor_sizes)
         self.local: tuple[Callable[[], dict], Callable[[dict], None]] | None = None
+
+    def set_tensor_sizes(self, sizes: list[int]) -> None:
+        self.sizes = sizes
 
     def stage(self) -> str:
         step = self.steps + 1
@@ -79,13 +84,13 @@ class ZeroOneReducer(GradReducer):
                                     self.local_clipper) else "local"
 
     def stage_bytes(self, n: int, world: int) -> dict[str, int]:
-        return {"fp32": 4 * n, "1-bit": CompressedAllReduce.payload_bytes(n, world),
+        return {"fp32": 4 * n, "1-bit": CompressedAllReduce.payload_bytes(n, world, self.sizes),
                 "local": 0}
 
     def _compress(self, flat: torch.Tensor, group) -> None:
         if self.compressor is None:
             self.compressor = CompressedAllReduce(flat.numel(), comm.world_size(group),
-                                                  flat.device)
+                                                  flat.device, self.sizes)
         self.compressor(flat, group)
 
     def start(self, flat: torch.Tensor, group) -> None:
@@ -124,7 +129,7 @@ class ZeroOneReducer(GradReducer):
         self.steps, self.compressor = state["steps"], None
         if "worker_error" in state:
             self.compressor = CompressedAllReduce(state["elements"], comm.world_size(group),
-                                                  state["worker_error"].device)
+                                                  state["worker_error"].device, self.sizes)
             self.compressor.worker_error.copy_(state["worker_error"])
             self.compressor.server_error.copy_(state["server_error"])
         if "local" in state and self.local is not None:
