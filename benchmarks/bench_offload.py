@@ -129,6 +129,9 @@ def main() -> None:
                         help="comma-separated, of fp32 and bf16 (bf16 matmuls are ~160x slower "
                              "than fp32 on AVX2-only CPUs)")
     args = parser.parse_args()
+    precisions = args.precisions.split(",")
+    if not set(precisions) <= {"fp32", "bf16"}:
+        raise SystemExit(f"error: --precisions takes fp32 and bf16 (got {args.precisions!r})")
     print(machine_line())
     h = args.hidden_size
     model = [*llama_shape_flags(args.num_layers, h, args.vocab_size),
@@ -150,9 +153,7 @@ def main() -> None:
           f"{'cpu-this B/param':>16} {'steady MiB':>10} {'read MiB/step':>13} {'written':>8} "
           f"{'disk s':>7}")
     mib = 2 ** 20
-    for precision in args.precisions.split(","):
-        if precision not in ("fp32", "bf16"):
-            raise SystemExit(f"error: --precisions takes fp32 and bf16 (got {precision!r})")
+    for precision in precisions:
         results = {}
         for tier, flags in tiers.items():
             argv = model + flags + (["--bf16"] if precision == "bf16" else [])
