@@ -125,7 +125,13 @@ def main() -> None:
     parser.add_argument("--sub-group-size", type=int, default=1_000_000,
                         help="--offload-sub-group-size")
     parser.add_argument("--probe-mib", type=int, default=512, help="disk probe file size")
+    parser.add_argument("--precisions", default="fp32,bf16",
+                        help="comma-separated, of fp32 and bf16 (bf16 matmuls are ~160x slower "
+                             "than fp32 on AVX2-only CPUs)")
     args = parser.parse_args()
+    precisions = args.precisions.split(",")
+    if not set(precisions) <= {"fp32", "bf16"}:
+        raise SystemExit(f"error: --precisions takes fp32 and bf16 (got {args.precisions!r})")
     print(machine_line())
     h = args.hidden_size
     model = [*llama_shape_flags(args.num_layers, h, args.vocab_size),
@@ -147,7 +153,7 @@ def main() -> None:
           f"{'cpu-this B/param':>16} {'steady MiB':>10} {'read MiB/step':>13} {'written':>8} "
           f"{'disk s':>7}")
     mib = 2 ** 20
-    for precision in ("fp32", "bf16"):
+    for precision in precisions:
         results = {}
         for tier, flags in tiers.items():
             argv = model + flags + (["--bf16"] if precision == "bf16" else [])
