@@ -33,7 +33,8 @@ N, SIZES, MAGNITUDES, STEPS = 3000, (900, 21, 1800, 279), (1.0, 100.0, 0.01, 10.
 
 
 def inputs(step: int, rank: int) -> torch.Tensor:
-    scales = torch.repeat_interleave(torch.tensor(MAGNITUDES), torch.tensor(SIZES))
+    scales = torch.repeat_interleave(torch.tensor(MAGNITUDES, device="cpu"),
+                                     torch.tensor(SIZES, device="cpu"))
     return scales * torch.randn(N, generator=torch.Generator().manual_seed(100 * step + rank),
                                 device="cpu")
 
@@ -42,8 +43,9 @@ def tensor_ids(n: int, c: int, w: int, sizes) -> torch.Tensor:
     """[w c]: which tensor of `sizes` (concatenated; n - sum(sizes) more elements one more
     tensor) each element of the padded flat belongs to, -1 for the padding past n."""
     sizes = [*sizes, n - sum(sizes)]
-    ids = torch.full((w * c,), -1)
-    ids[:n] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    ids = torch.full((w * c,), -1, device="cpu")
+    ids[:n] = torch.repeat_interleave(torch.arange(len(sizes), device="cpu"),
+                                      torch.tensor(sizes, device="cpu"))
     return ids
 
 
