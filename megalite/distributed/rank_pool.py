@@ -40,6 +40,15 @@ from typing import Any, Callable
 # device count poisons forked children's CUDA): megalite asks when it runs.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp",
            "torch.distributed.tensor", "megalite.training", "megalite.tasks.gpt"]
+_preload_also: list[str] = []
+
+
+def preload_also(*modules: str) -> None:
+    """More modules for the fork server to import once, when the first pool starts it (later
+    calls are too late): e.g. a test session's transformers and Lightning, which its workers
+    would otherwise import each (~4 and ~6 s of CPU per worker). A module that does not import
+    is skipped (multiprocessing's preload ignores ImportError)."""
+    _preload_also.extend(modules)
 
 
 def on_gpus(world_size: int) -> bool:
@@ -93,7 +102,7 @@ class RankPool:
         library pages the server had loaded)."""
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
-            ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts
+            ctx.set_forkserver_preload(PRELOAD + _preload_also)  # when the server starts
         store_file = tempfile.mktemp(prefix=f"megalite_pool{world_size}_")
         self.world_size, self.timeout_s = world_size, timeout_s
         self.conns, self.procs = [], []

@@ -14,17 +14,23 @@ garbage collector (reference cycles), and its groups' threads with it: a pool wh
 hold more than EXTRA_WORKER_THREADS threads beyond their count at start after a task
 collects garbage (0.25 s), and is replaced by a fresh one only if that does not bring them
 back under.
+
+The fork server also imports transformers (the references some tasks build on the ranks) and
+Lightning (tests/test_lightning.py's ranks) once, instead of every worker of every pool that
+uses them importing them again (~4 and ~6 s of CPU per worker).
 """
 import gc
 import os
 import threading
 
-from megalite.distributed.rank_pool import RankPool
+from megalite.distributed.rank_pool import RankPool, preload_also
 
 TRANSPORT_FLAKE = "Gloo connectFullMesh failed"
 TASK_TIMEOUT_S = float(os.environ.get("MEGALITE_TEST_TIMEOUT", 300))
 
 EXTRA_WORKER_THREADS = 60
+
+preload_also("transformers", "pytorch_lightning")  # before the session's first pool
 
 _POOLS: dict[int, tuple[RankPool, int]] = {}  # world size -> (pool, its workers' threads at start)
 
