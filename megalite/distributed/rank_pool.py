@@ -25,6 +25,7 @@ workers); they stop when the pool closes, when this process exits, or when it is
 of file on their pipe).
 """
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
@@ -104,7 +105,7 @@ class RankPool:
         if start_method == "forkserver":
             ctx.set_forkserver_preload(PRELOAD + _preload_also)  # when the server starts
         store_file = tempfile.mktemp(prefix=f"megalite_pool{world_size}_")
-        self.world_size, self.timeout_s = world_size, timeout_s
+        self.world_size, self.timeout_s, self.store_file = world_size, timeout_s, store_file
         self.conns, self.procs = [], []
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                **({} if on_gpus(world_size) else {"CUDA_VISIBLE_DEVICES": ""}), **(env or {})}
@@ -155,7 +156,8 @@ class RankPool:
         return all(p.is_alive() for p in self.procs)
 
     def close(self, kill: bool = False) -> None:
-        """Stop the workers: politely, or at once (`kill`) when some may be stuck."""
+        """Stop the workers: politely, or at once (`kill`) when some may be stuck; then remove
+        the rendezvous file (the workers are gone, nothing reads it again)."""
         atexit.unregister(self.close)
         for conn, proc in zip(self.conns, self.procs):
             if kill:
@@ -170,6 +172,8 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.store_file)
 
 
 def run_once(world_size: int, fn: Callable, *args, env: dict[str, str] | None = None,
