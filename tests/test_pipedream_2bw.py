@@ -1,8 +1,10 @@
 """PipeDream-2BW (--pipeline-schedule 2bw): the delayed update W(t+1) = W(t) - lr grad f(W(t-1))
 against a single-process reference written here from that equation (SGD and AdamW, clipping
 on), at PP2 x DP4, PP4 x DP2 and TP2 x PP2 x DP2 (also with ZeRO-1) with m = 4 over 4 steps
-with a drain after step 2; its segments against the 1F1B table they are cut from; SIGTERM and
-resume (DDP and ZeRO-1); the planner; refusals.
+with a drain after step 2, and without clipping with the stages meeting at log steps only (no
+blocking collective across stages in between); its segments against the 1F1B table they are
+cut from; the simulated steady-state bubble against closed forms; SIGTERM and resume (DDP,
+ZeRO-1, and between log steps); the planner; refusals.
 """
 import contextlib
 import functools

@@ -135,8 +135,9 @@ class Plan:
 
     @property
     def bubble(self) -> Fraction:
-        return schedule_bubble(self.layout.schedule, self.layout.grid.pp, self.layout.num_microbatches,
-                               self.layout.chunks_per_rank, bool(step_alignment(self.configs)))
+        layout = self.layout
+        return schedule_bubble(layout.schedule, layout.grid.pp, layout.num_microbatches,
+                               layout.chunks_per_rank, bool(step_alignment(self.configs)))
 
     def checkpoint_bytes(self, stage: str) -> float:
         """Bytes one rank of `stage` writes into a distributed checkpoint: its TP shard's

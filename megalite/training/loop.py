@@ -81,6 +81,10 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     `_unaligned_scalars`) and returns (NaN, stepped, None): its loss and grad norm come with
     the next aligned step, in `in_flight.resolved`.
     """
+    unaligned = in_flight is not None and not in_flight.aligned
+    if unaligned and (optimizer.clip_grad > 0 or optimizer.scaler is not None):
+        raise ValueError("2bw: a step whose stages do not meet (InFlight.aligned False) "
+                         "cannot clip or scale the loss (step_alignment)")
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -90,10 +94,7 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     finalize_model_grads(model)
     if signals is not None:
         signals.settle_posted()
-    if in_flight is not None and not in_flight.aligned:
-        if optimizer.clip_grad > 0 or optimizer.scaler is not None:
-            raise ValueError("2bw: a step whose stages do not meet (InFlight.aligned False) "
-                             "cannot clip or scale the loss (step_alignment)")
+    if unaligned:
         loss, grad_norm, found_inf = _unaligned_scalars(losses, loss_key, optimizer,
                                                         in_flight.pending, signals)
     else:
@@ -117,9 +118,7 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
         stepped, grad_norm = optimizer.apply(grad_norm, found_inf > 0, math.isfinite(loss))
     if stepped:
         update_expert_bias(model)  # --moe-router-enable-expert-bias (no-op without)
-    if in_flight is not None and not in_flight.aligned:
-        return math.nan, stepped, None
-    return loss, stepped, grad_norm
+    return (math.nan, stepped, None) if unaligned else (loss, stepped, grad_norm)
 
 
 def _unaligned_scalars(losses: list[dict], loss_key: str, optimizer, pending: list,
@@ -345,7 +344,8 @@ def _train_loop(run: Run, train_batches: TimedIterator) -> None:
     steps, save every --save-interval applied steps, at an exit and at the end. With 2bw
     (`run.in_flight`) the pipeline drains at the steps before those, and SIGTERM, known after
     a step, ends the run one (draining) step later; the stages meet (`InFlight.aligned`) only
-    at log and draining steps unless `step_alignment` names a flag that needs every step."""
+    at log and draining steps unless `step_alignment` names a flag that needs every step (in
+    between, SIGTERM is known a step later still)."""
     configs, in_flight = run.configs, run.in_flight
     t, ckpt = configs.train, configs.checkpoint
     save_interval = ckpt.save_interval or default_save_interval(t.train_iters)
