@@ -302,19 +302,19 @@ def data(tmp_path_factory):
 
 
 def _straight_and_resumed(prefix: str, root: str, sharding: str, extra: tuple = (),
-                          iters: int = 4) -> tuple[dict, dict, dict]:
-    """2bw at PP2 x DP2 (m = 2) with dropout: `iters` steps straight (steps in flight across
-    all but the last); SIGTERM on rank 0 in step 2 (the run drains in step 3, or 4 without
-    aligned steps, and saves), then resumed to `iters`."""
+                          signalled: int = 2) -> tuple[dict, dict, dict]:
+    """2bw at PP2 x DP2 (m = 2) with dropout: 4 steps straight (steps in flight across 1-3);
+    SIGTERM on rank 0 in step `signalled` (the run drains in the step after the one that
+    settles the flag, and saves), then resumed to 4."""
     layout = ["--pp", "2", "--pipeline-schedule", "2bw", "--lr-decay-style", "constant",
               "--data-parallel-sharding-strategy", sharding, *extra]
-    straight = train(tiny_args(prefix, f"{root}/a", iters, *layout))
-    os.environ["MEGALITE_FAULT"] = "sigterm@2:0"
+    straight = train(tiny_args(prefix, f"{root}/a", 4, *layout))
+    os.environ["MEGALITE_FAULT"] = f"sigterm@{signalled}:0"
     try:
-        stopped = train(tiny_args(prefix, f"{root}/b", iters, *layout))
+        stopped = train(tiny_args(prefix, f"{root}/b", 4, *layout))
     finally:
         del os.environ["MEGALITE_FAULT"]
-    resumed = train(tiny_args(prefix, f"{root}/b", iters, *layout, "--load", f"{root}/b"))
+    resumed = train(tiny_args(prefix, f"{root}/b", 4, *layout, "--load", f"{root}/b"))
     return straight, stopped, resumed
 
 
@@ -330,11 +330,11 @@ def test_sigterm_and_resume_are_exact(tmp_path, data, sharding):
 
 def test_sigterm_between_log_steps_drains_a_step_later_and_resumes_exactly(tmp_path, data):
     """No clipping, untied embeddings, a log step every 1000: the stages never meet before
-    the end, the SIGTERM flag of step 2 (posted async) is settled after step 3, step 4
+    the end, the SIGTERM flag of step 1 (posted async) is settled after step 2, step 3
     drains and saves; the losses (kept on the last stage, shared at the drain) bit for bit."""
     straight, stopped, resumed = run_on_ranks(4, _straight_and_resumed, data, str(tmp_path),
-                                              "no_shard", UNALIGNED, 5)[0]
-    assert sorted(stopped) == [1, 2, 3, 4] and sorted(resumed) == [5]
+                                              "no_shard", UNALIGNED, 1)[0]
+    assert sorted(stopped) == [1, 2, 3] and sorted(resumed) == [4]
     assert {**stopped, **resumed} == straight
 
 
