@@ -223,12 +223,13 @@ def _calls_across_stages(stage_of: list[int]):
         yield calls
 
 
-def _unaligned_curve() -> dict:
-    """2bw at PP4 x DP2 with SGD, no clipping, untied embeddings, m = 4: the stages meet only
-    at steps 2 and 4 (log steps; the pipeline drains after 4): per step the collectives on
-    groups spanning the stages, and the (loss, grad norm) curve as the loop records it (steps
-    1 and 3 from the next aligned step); the delayed reference on rank 0."""
-    configs = parse_configs(flags(1, 4, 2, "sgd") + list(UNALIGNED))
+def _unaligned_curve(tp: int = 1, pp: int = 4) -> dict:
+    """2bw at TP x PP x DP (8 ranks) with SGD, no clipping, untied embeddings, m = 4: the
+    stages meet only at steps 2 and 4 (log steps; the pipeline drains after 4): per step the
+    collectives on groups spanning the stages, and the (loss, grad norm) curve as the loop
+    records it (steps 1 and 3 from the next aligned step); the delayed reference on rank 0."""
+    dp = 8 // (tp * pp)
+    configs = parse_configs(flags(tp, pp, dp, "sgd") + list(UNALIGNED))
     layout = RunLayout.from_configs(configs, 8)
     setup_parallel(configs, layout)
     from megalite.mpu import parallel_state as ps
@@ -239,7 +240,7 @@ def _unaligned_curve() -> dict:
     in_flight = InFlight(WeightVersions(model, opt))
     rank = ps.get_data_parallel_rank()
     mine = itertools.chain.from_iterable(
-        b[rank * M * MICRO:(rank + 1) * M * MICRO].split(MICRO) for b in global_batches(2))
+        b[rank * M * MICRO:(rank + 1) * M * MICRO].split(MICRO) for b in global_batches(dp))
     curve, across = {}, {}
     with ExitSignalHandler() as signals:
         for step in range(1, STEPS + 1):
@@ -253,11 +254,14 @@ def _unaligned_curve() -> dict:
                 curve.update(zip((step - 1, step), (*in_flight.resolved, (loss, norm))))
     destroy_model_parallel()
     initialize_model_parallel(1, 1)
-    want = reference_curve(2, "sgd", extra=UNALIGNED) \
+    want = reference_curve(dp, "sgd", extra=UNALIGNED) \
         if torch.distributed.get_rank() == 0 else None
     destroy_model_parallel()
-    return {"curve": [curve[s] for s in sorted(curve)], "across": across,
-            "signals": signals.enabled, "want": want}
+    return {"curve": [curve[s] for s in sorted(curve)], "across": across, "want": want}
+
+
+def _unaligned_curves() -> list[dict]:
+    return [_unaligned_curve(1, 4), _unaligned_curve(2, 2)]
 
 
 def test_unaligned_steps_meet_only_at_log_steps_and_equal_the_reference():
@@ -265,21 +269,22 @@ def test_unaligned_steps_meet_only_at_log_steps_and_equal_the_reference():
     collective on a group spanning the stages (only the SIGTERM flag, posted async and
     settled a step later) and the aligned steps do; the curve the loop records (the loss of
     the last stage and the stage grad norms, summed at the next aligned step) equals the
-    delayed reference without clipping, <= 1e-5, on every rank."""
-    results = run_on_ranks(8, _unaligned_curve)
-    losses, norms = zip(*results[0]["curve"])
-    want_losses, want_norms = results[0]["want"]
-    errors = [rel_err(torch.tensor(losses), torch.tensor(want_losses)),
-              rel_err(torch.tensor(norms), torch.tensor(want_norms))]
-    print(f"2bw PP4 DP2 sgd, stages meeting at steps 2 and 4: loss, grad norm max rel err "
-          f"{errors[0]:.1e}, {errors[1]:.1e}")
-    assert max(errors) <= 1e-5, errors
-    flag = [("all_reduce", True)] if results[0]["signals"] else []
-    for result in results:
-        assert result["curve"] == results[0]["curve"]
-        assert result["across"][1] == result["across"][3] == flag
-        for step in (2, 4):
-            assert any(not is_async for _, is_async in result["across"][step])
+    delayed reference without clipping, <= 1e-5, on every rank: PP4 x DP2 and TP2 x PP2 x
+    DP2."""
+    ranks = run_on_ranks(8, _unaligned_curves)
+    for case, results in zip(("PP4 DP2", "TP2 PP2 DP2"), zip(*ranks)):
+        losses, norms = zip(*results[0]["curve"])
+        want_losses, want_norms = results[0]["want"]
+        errors = [rel_err(torch.tensor(losses), torch.tensor(want_losses)),
+                  rel_err(torch.tensor(norms), torch.tensor(want_norms))]
+        print(f"2bw {case} sgd, stages meeting at steps 2 and 4: loss, grad norm max rel err "
+              f"{errors[0]:.1e}, {errors[1]:.1e}")
+        assert max(errors) <= 1e-5, (case, errors)
+        for result in results:
+            assert result["curve"] == results[0]["curve"], case
+            assert result["across"][1] == result["across"][3] == [("all_reduce", True)], case
+            for step in (2, 4):
+                assert any(not is_async for _, is_async in result["across"][step]), case
 
 
 def test_the_steady_state_bubble_across_steps():
