@@ -212,13 +212,14 @@ def pipeline_summary(schedule: str, p: int, m: int, v: int = 1,
     flags that make its stages meet at every step's end (`tables.step_alignment`)."""
     table = build_schedule(schedule, p, m, v)
     peaks = ", ".join(f"{float(peak_inflight_microbatches(table, r)):g}" for r in range(p))
-    kind, bubble = SCHEDULE_KINDS[schedule], bubble_fraction(table)
-    where = ""
+    kind, where = SCHEDULE_KINDS[schedule], ""
     if kind.across_steps:
         bubble = schedule_bubble(kind, p, m, v, aligned=bool(alignment))
         where = (f" per step, the stages meeting at each step's end ({', '.join(alignment)})"
                  if alignment else " in the steady state across steps (the stages meet only "
                  "at log steps, evaluations, saves and the end)")
+    else:
+        bubble = bubble_fraction(table)
     return (f"pipeline: schedule {schedule} | p {p}, v {v}, m {m} microbatches | bubble "
             f"{float(bubble):.1%} of compute (simulated, F = B = W){where} | peak "
             f"in-flight microbatches per rank: {peaks}")
