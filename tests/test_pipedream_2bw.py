@@ -293,8 +293,8 @@ def test_the_steady_state_bubble_across_steps():
     ZB-H1's (p-1)/(3m) at p = 4, m = 4 and 8; meeting at each step's end, 2(p-1)/(3m)."""
     two, h1 = SCHEDULE_KINDS["2bw"], SCHEDULE_KINDS["zb-h1"]
     for p, m in ((4, 4), (4, 8), (2, 3), (3, 5)):
-        assert schedule_bubble(two, p, m) == 0 < schedule_bubble(h1, p, m) == Fraction(p - 1,
-                                                                                    3 * m)
+        h1_bubble = schedule_bubble(h1, p, m)
+        assert schedule_bubble(two, p, m) == 0 < h1_bubble == Fraction(p - 1, 3 * m)
         assert schedule_bubble(two, p, m, aligned=True) == Fraction(2 * (p - 1), 3 * m)
         steps = [step_segment(p, m, i == 0, i == 3) for i in range(4)]
         assert idle_over_compute(simulate_steps(steps, m, aligned=False)) == \
