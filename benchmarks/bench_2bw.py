@@ -5,12 +5,15 @@ the measured bubble at m = 4 and 8, then the lm-loss curve of 2bw vs 1f1b.
     python3 benchmarks/bench_2bw.py --train-iters 60    # a shorter loss curve
 
 Throughput: each schedule runs --warmup + --steps training steps (megalite.training.loop
-.train_step: DP-free PP4, grads reduced, clipped, AdamW) of a GPT with random tokens; 2bw keeps
-its pipeline full across the steps (drained after the last). Per step and rank the executor's
-computes are timed (observe_computes): the measured bubble is the median over steps of the
-rank mean of (step time - compute) / compute; the simulated one is the schedule's steady-state
-table with F = B = W (megalite.schedules.accounting). Each measurement is repeated
---repeats times, the schedules taking turns, and the fastest kept.
+.train_step: DP-free PP4, grads reduced, AdamW, no clipping, untied embeddings: the same flags
+for all) of a GPT with random tokens; 2bw keeps its pipeline full across the steps (drained
+after the last) and its stages meet only at the last step, as between log steps of a run;
+"2bw aligned" clips (--clip-grad 1), which makes its stages meet at every step's end. Per
+step and rank the executor's computes are timed (observe_computes): the measured bubble is
+the median over steps of the rank mean of (step time - compute) / compute (each rank's own
+step: with 2bw they overlap); the simulated one is the schedule's steady state with F = B = W
+(megalite.schedules.accounting.schedule_bubble). Each measurement is repeated --repeats
+times, the schedules taking turns, and the fastest kept.
 Loss curve: pretrain_gpt on the built-in corpus under torchrun (4 ranks, PP4, m = 4, the same
 seed) with --pipeline-schedule 1f1b and 2bw side by side, every step logged; --plot writes the
 two curves (matplotlib). Asserts nothing.
@@ -29,7 +32,7 @@ import torch
 
 from common import benchmark_parser, machine_line, plot_curves, turn_order
 
-SCHEDULES = ("1f1b", "zb-h1", "2bw")
+SCHEDULES = ("1f1b", "zb-h1", "2bw", "2bw aligned")  # aligned: clipping (step_alignment)
 LOSS = re.compile(r"iteration\s+(\d+)/.*?lm loss ([0-9.E+-]+)")
 
 
@@ -55,7 +58,10 @@ def measure(args, m: int, schedule: str) -> dict:
     from megalite.training.loop import train_step
     from megalite.training.setup import build_model, setup_parallel
 
-    configs = parse_configs(model_flags(args, m, schedule) + ["--vocab-size", "512"])
+    schedule, _, aligned = schedule.partition(" ")
+    configs = parse_configs(model_flags(args, m, schedule) + [
+        "--vocab-size", "512", "--untie-embeddings-and-output-weights", "--clip-grad",
+        "1.0" if aligned else "0"])
     layout = RunLayout.from_configs(configs, 4)
     setup_parallel(configs, layout)
     model = build_model(configs, lambda pre_process, post_process: GPTModel(
@@ -78,6 +84,7 @@ def measure(args, m: int, schedule: str) -> dict:
         for step in range(total):
             if in_flight is not None:
                 in_flight.drain = step == total - 1
+                in_flight.aligned = in_flight.drain or bool(aligned)
             busy[0] = 0.0
             start = time.perf_counter()
             train_step(forward_step, batches, model, optimizer, layout, in_flight=in_flight)
@@ -145,7 +152,8 @@ def main() -> None:
     for m in (4, 8):
         for schedule in SCHEDULES:
             tokens, bubble = best[schedule, m]
-            simulated = schedule_bubble(SCHEDULE_KINDS[schedule], 4, m)
+            name, _, aligned = schedule.partition(" ")
+            simulated = schedule_bubble(SCHEDULE_KINDS[name], 4, m, aligned=bool(aligned))
             print(f"| {schedule} | {m} | {tokens:,.0f} | {bubble:.3f} | {float(simulated):.3f} |")
     print(machine_line())
     if not args.train_iters:

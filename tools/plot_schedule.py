@@ -11,7 +11,9 @@ activations (microbatches between F and B) and pending weight grads (between B a
 --steps draws that many consecutive training steps, each starting once every rank has
 finished the one before (the step's collectives); a schedule without a flush (2bw) runs its
 steady state across them (its first step starts empty, its last drains), microbatches
-numbered on across steps.
+numbered on across steps, each rank going on with the next step as soon as it has finished
+its part (no collective spans the stages between log steps), or with --aligned the stages
+meeting at each step's end (as with clipping, fp16 or tied embeddings: step_alignment).
 """
 
 import argparse
@@ -46,6 +48,9 @@ def main() -> None:
                         help="model chunks per rank v (default: the schedule's least)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches m")
     parser.add_argument("--steps", type=int, default=1, help="consecutive training steps")
+    parser.add_argument("--aligned", action="store_true",
+                        help="2bw: the stages meet at each step's end (clipping, fp16, tied "
+                        "embeddings)")
     parser.add_argument("--out", default="schedule.png")
     args = parser.parse_args()
     p, m, kind = args.pp, args.microbatches, SCHEDULE_KINDS[args.schedule]
@@ -58,9 +63,9 @@ def main() -> None:
         parser.error(f"--steps: expected an int >= 1, got {args.steps}")
     steps = [step_segment(p, m, i == 0, i == args.steps - 1) if kind.across_steps else table
              for i in range(args.steps)]
-    timeline = simulate_steps(steps, m)
+    timeline = simulate_steps(steps, m, aligned=args.aligned or not kind.across_steps)
     bubble = idle_over_compute(timeline)
-    closed = schedule_bubble(kind, p, m, v)
+    closed = schedule_bubble(kind, p, m, v, aligned=args.aligned)
     print(f"bubble fraction: {args.steps} step(s) {float(bubble):.4f} ({bubble}), schedule's "
           f"record (steady state) {float(closed):.4f} ({closed} = {kind.bubble_form})")
     for rank in range(p):

@@ -13,8 +13,7 @@ from torch import nn
 
 from megalite.distributed.fsdp import fsdp_shard_start
 from megalite.distributed.param_tier import SteppedUnits, params_resident
-from megalite.mpu import parallel_state
-from megalite.optimizer.optimizer import Fragment, MixedPrecisionOptimizer
+from megalite.optimizer.optimizer import Fragment, MixedPrecisionOptimizer, replica_group
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -42,9 +41,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 for buffer in chunk.grad_buffers for bucket in buffer.buckets
                 for param in bucket.params]
 
-    def _stats_groups(self) -> list:
-        return [self.model_chunks[0].data_parallel_group,
-                parallel_state.get_model_parallel_group()]
+    def _stats_groups(self, within_stage: bool = False) -> list:
+        return [self.model_chunks[0].data_parallel_group, replica_group(within_stage)]
 
     def _expert_stats_groups(self) -> list:
         """None: expert shards lie over expert-DP x EP = the DP group, reduced with the rest."""

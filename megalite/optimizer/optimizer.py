@@ -114,6 +114,12 @@ def optimizer_settings(config: OptimizerConfig) -> dict:
     return settings
 
 
+def replica_group(within_stage: bool):
+    """TP x PP ranks of this model replica, or `within_stage` the TP ranks of its stage."""
+    return parallel_state.get_tensor_model_parallel_group() if within_stage else \
+        parallel_state.get_model_parallel_group()
+
+
 class MixedPrecisionOptimizer:
     """Steps the params of `model_chunks` (DistributedDataParallel-wrapped: grads are read from
     `param.main_grad`). `step()` -> (stepped, grad norm or None when clipping is off)."""
@@ -144,9 +150,10 @@ class MixedPrecisionOptimizer:
         return [(p, None) for chunk in self.model_chunks for p in chunk.parameters()
                 if p.requires_grad]
 
-    def _stats_groups(self) -> list:
-        """Where grad statistics are reduced: every rank of this model replica."""
-        return [parallel_state.get_model_parallel_group()]
+    def _stats_groups(self, within_stage: bool = False) -> list:
+        """Where grad statistics are reduced: every rank of this model replica (TP x PP), or
+        `within_stage` its pipeline stage's (TP)."""
+        return [replica_group(within_stage)]
 
     def settings(self) -> dict:
         return optimizer_settings(self.config)
@@ -185,10 +192,12 @@ class MixedPrecisionOptimizer:
                                   self._expert_stats_groups() + self._stats_groups())
 
     @torch.no_grad()
-    def grad_stats(self) -> torch.Tensor:
+    def grad_stats(self, within_stage: bool = False) -> torch.Tensor:
         """First half of `step`: unscale the grads (fp16) and reduce their statistics over every
-        rank holding a piece of the model. Returns [global grad norm, found inf/NaN (fp16;
-        always 0 otherwise)], fp32 on the device; `apply` takes their host values."""
+        rank holding a piece of the model (`within_stage`: of this pipeline stage only, the
+        norm of its grads; PipeDream-2BW between aligned steps). Returns [global grad norm,
+        found inf/NaN (fp16; always 0 otherwise)], fp32 on the device; `apply` takes their
+        host values."""
         for f in self.fragments if self.tier is None else ():
             f.main.grad = f.grad
         found_inf = self._unscale_and_check() if self.scaler is not None else \
@@ -196,9 +205,9 @@ class MixedPrecisionOptimizer:
         counted = [f for f in self.fragments if counts_toward_norm(f.model_param)]
         expert = [getattr(f.model_param, "expert_parallel", False) for f in counted]
         self._grad_norm = global_grad_norm(
-            [f.grad for f, e in zip(counted, expert) if not e], self._stats_groups(),
-            current_device(), [f.grad for f, e in zip(counted, expert) if e],
-            self._expert_stats_groups())
+            [f.grad for f, e in zip(counted, expert) if not e],
+            self._stats_groups(within_stage), current_device(),
+            [f.grad for f, e in zip(counted, expert) if e], self._expert_stats_groups())
         return torch.cat([self._grad_norm.reshape(1), found_inf])
 
     @torch.no_grad()

@@ -35,6 +35,7 @@ from megalite.planning.state_bytes import (FP32, PARAM_GRAD_BYTES, StateBytes, g
                                            optimizer_state_bytes, state_bytes_per_param,
                                            tier_host_bytes)
 from megalite.schedules.accounting import schedule_bubble
+from megalite.schedules.tables import step_alignment
 
 
 def checkpoint_bytes_per_param(precision: str, optimizer: OptimizerConfig,
@@ -134,8 +135,9 @@ class Plan:
 
     @property
     def bubble(self) -> Fraction:
-        return schedule_bubble(self.layout.schedule, self.layout.grid.pp, self.layout.num_microbatches,
-                               self.layout.chunks_per_rank)
+        layout = self.layout
+        return schedule_bubble(layout.schedule, layout.grid.pp, layout.num_microbatches,
+                               layout.chunks_per_rank, bool(step_alignment(self.configs)))
 
     def checkpoint_bytes(self, stage: str) -> float:
         """Bytes one rank of `stage` writes into a distributed checkpoint: its TP shard's

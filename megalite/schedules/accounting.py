@@ -5,14 +5,16 @@ Times are Fractions, so closed forms such as the bubble (p-1)/m compare exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import groupby
 
 from megalite.schedules.instructions import COMPUTE, INPUT_GRAD, SENDS, Instruction, Kind, Table
-from megalite.schedules.tables import ScheduleKind, build_schedule
+from megalite.schedules.tables import SCHEDULE_KINDS, ScheduleKind, build_schedule, step_segment
 
 
 class DeadlockError(RuntimeError):
@@ -34,6 +36,7 @@ class Span:
 class Timeline:
     spans: list[list[Span]]  # per rank, in execution order
     makespan: Fraction
+    ends: tuple[Fraction, ...] = ()  # per rank: when its last instruction completed
 
 
 def num_chunks(table: Table) -> int:
@@ -51,8 +54,9 @@ def durations(table: Table, forward_time: float = 1, input_grad_time: float = 1,
 
 
 def simulate(table: Table, forward_time: float = 1, input_grad_time: float = 1,
-             weight_grad_time: float = 1) -> Timeline:
-    """Execute all ranks' lists under the executor rule of `instructions`.
+             weight_grad_time: float = 1, start: Sequence[Fraction] | None = None) -> Timeline:
+    """Execute all ranks' lists under the executor rule of `instructions`, rank r from time
+    `start[r]` (default 0).
 
     Compute times per microbatch and rank: forward_time (F), input_grad_time (B),
     weight_grad_time (W), and their sum B + W for the fused BACKWARD of the schedules
@@ -68,7 +72,7 @@ def simulate(table: Table, forward_time: float = 1, input_grad_time: float = 1,
     messages = _match_messages(table)
     steps = [_steps(rank) for rank in table]
     pc = [0] * len(table)
-    clock = [Fraction(0)] * len(table)
+    clock = list(start) if start is not None else [Fraction(0)] * len(table)
     spans: list[list[Span]] = [[] for _ in table]
     posted: dict[tuple, Fraction] = {}
     progress = True
@@ -100,22 +104,39 @@ def simulate(table: Table, forward_time: float = 1, input_grad_time: float = 1,
     ]
     if blocked:
         raise DeadlockError("deadlock: " + "; ".join(blocked))
-    return Timeline(spans, max(clock))
+    return Timeline(spans, max(clock), tuple(clock))
 
 
-def simulate_steps(tables: list[Table], microbatches: int) -> Timeline:
-    """Consecutive training steps, each `simulate`d from the moment every rank has finished
-    the one before (the step's collectives: DP reduction, grad norm, loss), with step i's
-    microbatches numbered from i * `microbatches` (2bw: `tables.step_segment` per step)."""
+def simulate_steps(tables: list[Table], microbatches: int, aligned: bool = True) -> Timeline:
+    """Consecutive training steps `simulate`d one after the other, step i's microbatches
+    numbered from i * `microbatches` (2bw: `tables.step_segment` per step). `aligned`: each
+    step starts once every rank has finished the one before (a collective over all stages
+    ends each step: grad norm, loss, SIGTERM flag); else each rank goes on as soon as it has
+    finished its own part (2bw between log steps: no collective spans the stages)."""
     spans: list[list[Span]] = [[] for _ in tables[0]]
-    start = Fraction(0)
+    clock = [Fraction(0)] * len(tables[0])
     for step, table in enumerate(tables):
-        timeline = simulate(table)
+        timeline = simulate(table, start=clock)
         for rank, rank_spans in enumerate(timeline.spans):
-            spans[rank] += [Span(s.kind, s.chunk, s.microbatch + step * microbatches,
-                                 start + s.start, start + s.end) for s in rank_spans]
-        start += timeline.makespan
-    return Timeline(spans, start)
+            spans[rank] += [dataclasses.replace(s, microbatch=s.microbatch + step * microbatches)
+                            for s in rank_spans]
+        clock = [timeline.makespan] * len(clock) if aligned else list(timeline.ends)
+    return Timeline(spans, max(clock), tuple(clock))
+
+
+def steady_state_bubble(p: int, m: int, aligned: bool, steps: int = 4) -> Fraction:
+    """2bw's bubble (idle over compute, F = B = W) per step in its steady state: the time a
+    rank takes from the end of one step to the end of the next over the compute of a step,
+    less one (mean over ranks), between the last two of `steps` consecutive steady-state
+    steps (`step_segment` with carried-in forwards; periodic by then, as the closed forms in
+    the tests check: 0, and 2(p-1)/(3m) when `aligned`: the stages meet at each step's end)."""
+    segment = step_segment(p, m, starts=False, drains=False)
+    clock, previous = [Fraction(0)] * p, []
+    for _ in range(steps):
+        timeline, previous = simulate(segment, start=clock), clock
+        clock = [timeline.makespan] * p if aligned else list(timeline.ends)
+    busy = [sum((s.end - s.start for s in spans), Fraction(0)) for spans in timeline.spans]
+    return sum(((b - a - c) / c for a, b, c in zip(previous, clock, busy)), Fraction(0)) / p
 
 
 def idle_over_compute(timeline: Timeline) -> Fraction:
@@ -132,11 +153,16 @@ def bubble_fraction(table: Table, forward_time: float = 1, input_grad_time: floa
 
 
 @functools.lru_cache(maxsize=64)
-def schedule_bubble(kind: ScheduleKind, p: int, m: int, v: int = 1) -> Fraction:
+def schedule_bubble(kind: ScheduleKind, p: int, m: int, v: int = 1,
+                    aligned: bool = False) -> Fraction:
     """The bubble (idle over compute, F = B = W) of schedule `kind` on p ranks, m microbatches,
     v chunks: its closed form, else its table in the simulator (about a second at p = 16,
-    m = 128). Raises the builder's ValueError on (p, m, v) the schedule does not take."""
+    m = 128). A schedule without a flush between steps (2bw): its steady state across steps,
+    with the stages meeting at every step's end when `aligned` (`tables.step_alignment`).
+    Raises the builder's ValueError on (p, m, v) the schedule does not take."""
     kind.check_arguments(p, m, v)
+    if kind.across_steps:
+        return steady_state_bubble(p, m, aligned)
     if kind.closed_bubble is not None:
         return kind.closed_bubble(p, m, v)
     return bubble_fraction(kind.builder(p, m, v))
@@ -178,13 +204,24 @@ def peak_inflight_microbatches(table: Table, rank: int) -> Fraction:
     return Fraction(peak_inflight_activations(table, rank), num_chunks(table))
 
 
-def pipeline_summary(schedule: str, p: int, m: int, v: int = 1) -> str:
+def pipeline_summary(schedule: str, p: int, m: int, v: int = 1,
+                     alignment: Sequence[str] = ()) -> str:
     """One line for the start-up log: the schedule, p, v, m, the simulated bubble (idle over
-    compute, F = B = W) and the peak in-flight microbatches of each rank, from the table."""
+    compute, F = B = W) and the peak in-flight microbatches of each rank, from the table.
+    A schedule without a flush (2bw): its steady state across steps, and `alignment`, the
+    flags that make its stages meet at every step's end (`tables.step_alignment`)."""
     table = build_schedule(schedule, p, m, v)
     peaks = ", ".join(f"{float(peak_inflight_microbatches(table, r)):g}" for r in range(p))
+    kind, where = SCHEDULE_KINDS[schedule], ""
+    if kind.across_steps:
+        bubble = schedule_bubble(kind, p, m, v, aligned=bool(alignment))
+        where = (f" per step, the stages meeting at each step's end ({', '.join(alignment)})"
+                 if alignment else " in the steady state across steps (the stages meet only "
+                 "at log steps, evaluations, saves and the end)")
+    else:
+        bubble = bubble_fraction(table)
     return (f"pipeline: schedule {schedule} | p {p}, v {v}, m {m} microbatches | bubble "
-            f"{float(bubble_fraction(table)):.1%} of compute (simulated, F = B = W) | peak "
+            f"{float(bubble):.1%} of compute (simulated, F = B = W){where} | peak "
             f"in-flight microbatches per rank: {peaks}")
 
 

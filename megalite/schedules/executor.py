@@ -77,12 +77,21 @@ class InFlight:
     the next on this rank: the next step's forwards that ran before this step ended (their
     received inputs and their outputs, by (chunk, microbatch of the next step)), and the two
     weight versions (`megalite.optimizer.weight_versions.WeightVersions`, or None to run on
-    the params as they are). `drain` (set by the caller before each step): let the pipeline
-    empty at the end of this step (at the end of training, before an evaluation or a save)."""
+    the params as they are). Set by the caller before each step: `drain`, let the pipeline
+    empty at the end of this step (at the end of training, before an evaluation or a save);
+    `aligned`, the step ends with collectives over all stages (the loss shared with every
+    rank): otherwise the losses stay on the last stage and each rank goes on with the next
+    step as soon as its part is done, 1F1B's steady state continuing across the steps."""
 
     def __init__(self, versions=None) -> None:
-        self.versions, self.drain = versions, True
+        self.versions, self.drain, self.aligned = versions, True, True
         self.running = False  # the previous step left the next one's forwards in flight
+        # the training loop's (megalite.training.loop) for the steps since the last aligned
+        # one: their values on the device, what their log line needs, and at the aligned step
+        # their (loss, grad norm)
+        self.pending: list = []
+        self.unrecorded: list = []
+        self.resolved: list = []
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -270,7 +279,8 @@ def forward_backward(*, schedule: ScheduleKind, forward_step_func: Callable,
     as float32 scalars when PP > 1, on the device. Invalid (p, m, v) raise the tables'
     ValueError before any communication. A schedule without a flush between steps (2bw) runs
     one step of its steady state with `in_flight` (what the previous call left in flight;
-    it drains when `in_flight.drain`), and a flushed 1F1B step without it.
+    it drains when `in_flight.drain`; unless `in_flight.aligned` the losses are returned on
+    the last stage only, [] elsewhere), and a flushed 1F1B step without it.
     """
     chunks = model if isinstance(model, list) else [model]
     p = parallel_state.get_pipeline_model_parallel_world_size()
@@ -306,6 +316,8 @@ def forward_backward(*, schedule: ScheduleKind, forward_step_func: Callable,
                     observer(ins, time.perf_counter() - start)
     if carry is not None:
         _carry_over(run, carry)
+        if not carry.aligned:  # no collective across the stages: only the last one has them
+            return run.losses
     return share_losses(run.losses, num_microbatches, param.device, loss_keys)
 
 

@@ -74,7 +74,8 @@ def zero_bubble_v(p: int, m: int, v: int = 2) -> Table:
 
 def pipedream_2bw(p: int, m: int, v: int = 1) -> Table:
     """PipeDream-2BW (Narayanan et al. 2021) in steady state: one training step of 1F1B run
-    without a flush between steps (`step_segment` between two other steps)."""
+    without a flush between steps (`step_segment` between two other steps); run one after
+    the other without the stages meeting, they are 1F1B over all steps' microbatches."""
     SCHEDULE_KINDS[TWO_BW].check_arguments(p, m, v)
     return step_segment(p, m, starts=False, drains=False)
 
@@ -89,7 +90,8 @@ def step_segment(p: int, m: int, starts: bool, drains: bool) -> Table:
     microbatches ran in the previous segment. `starts`: nothing is in flight before (no
     previous step); `drains`: the pipeline empties at the end (no next step): with both, it
     is 1F1B. RuntimeError if a message would cross a step's end (it never does for m >= p):
-    the step's collectives run between segments, so a segment's messages must all pair up."""
+    the optimizer step (and, at some steps, collectives over all stages) runs between a
+    rank's segments, so a segment's messages must all pair up within it."""
     before, after = int(not starts), int(not drains)
     table = assemble(Placement(p, 1), [_loop_steps(p, (before + 1 + after) * m, 1,
                                                    p - rank - 1, False) for rank in range(p)])
@@ -220,11 +222,24 @@ _KINDS = (
     ScheduleKind(ZBV, zero_bubble_v, min_chunks=2, max_chunks=2, v_shape=True,
                  split_backward=True, min_ranks=2),  # no closed form for every (p, m)
     ScheduleKind(TWO_BW, pipedream_2bw, min_ranks=2, min_microbatches=lambda p: p,
-                 across_steps=True, weight_versions=2,
-                 bubble_form="its simulated steady-state step (the stages meet at each step's "
-                 "collectives)"),
+                 across_steps=True, weight_versions=2,  # bubble: accounting.schedule_bubble
+                 bubble_form="0 in the steady state across steps, 2(p-1)/(3m) when the stages "
+                 "meet at each step's end (step_alignment)"),
 )
 SCHEDULE_KINDS: dict[str, ScheduleKind] = {kind.name: kind for kind in _KINDS}
+
+
+def step_alignment(configs) -> list[str]:
+    """What makes the stages of a schedule without a flush (2bw) meet at every step's end (a
+    collective over all stages before the update), as flags: gradient clipping (the global
+    norm), fp16 loss scaling (the overflow check) and the tied word embedding (its grads
+    summed over the first and last stage). Empty: they meet only at log steps, evaluations,
+    saves and the end."""
+    model = configs.model
+    return ([f"--clip-grad {configs.optimizer.clip_grad:g}"] * (configs.optimizer.clip_grad > 0)
+            + ["--fp16"] * bool(configs.precision.fp16)
+            + ["tied embeddings (no --untie-embeddings-and-output-weights)"]
+            * (not model.untie_embeddings_and_output_weights))
 
 
 def resolve_schedule(pipeline_schedule: str, pp: int, vpp: int | None) -> ScheduleKind:

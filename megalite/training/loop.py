@@ -28,6 +28,7 @@ from megalite.mpu import parallel_state as ps
 from megalite.optimizer import get_optimizer
 from megalite.optimizer.weight_versions import WeightVersions
 from megalite.schedules.executor import InFlight, forward_backward
+from megalite.schedules.tables import step_alignment
 from megalite.training import checks
 from megalite.training.checks import StartError, check_before_start
 from megalite.training.logger import TrainingLogger, log
@@ -75,8 +76,15 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
     The step's one host sync reads, in one transfer, the loss, the grad statistics
     (`optimizer.grad_stats`) and, with `signals`, the SIGTERM flag agreed over the world
     (`signals.stop_requested` afterwards). With 2bw (`in_flight`) the step's microbatches
-    run on the previous weights and the update moves the current ones (WeightVersions).
+    run on the previous weights and the update moves the current ones (WeightVersions); a
+    step that is not `in_flight.aligned` reduces nothing across the stages (see
+    `_unaligned_scalars`) and returns (NaN, stepped, None): its loss and grad norm come with
+    the next aligned step, in `in_flight.resolved`.
     """
+    unaligned = in_flight is not None and not in_flight.aligned
+    if unaligned and (optimizer.clip_grad > 0 or optimizer.scaler is not None):
+        raise ValueError("2bw: a step whose stages do not meet (InFlight.aligned False) "
+                         "cannot clip or scale the loss (step_alignment)")
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -84,12 +92,25 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
                           forward_only=False, loss_scale=optimizer.loss_scale,
                           loss_keys=(loss_key,), in_flight=in_flight)
     finalize_model_grads(model)
-    scalars = [_mean_over_data_parallel(losses, loss_key), optimizer.grad_stats().double()]
     if signals is not None:
-        scalars.append(signals.flag(device.current_device()).double())
-    loss, grad_norm, found_inf, *flag = torch.cat(scalars).tolist()
-    if signals is not None:
-        signals.settle(flag[0])
+        signals.settle_posted()
+    if unaligned:
+        loss, grad_norm, found_inf = _unaligned_scalars(losses, loss_key, optimizer,
+                                                        in_flight.pending, signals)
+    else:
+        scalars = [_mean_over_data_parallel(losses, loss_key), optimizer.grad_stats().double()]
+        if signals is not None:
+            scalars.append(signals.flag(device.current_device()).double())
+        pending = in_flight.pending if in_flight is not None else []
+        if pending:  # the loss (last stage) and stage grad norm^2 of the unaligned steps
+            scalars.append(_sum_over_stages(torch.stack(pending)).flatten())
+        loss, grad_norm, found_inf, *rest = torch.cat(scalars).tolist()
+        if signals is not None:
+            signals.settle(rest.pop(0))
+        if in_flight is not None:
+            in_flight.resolved = [(a, math.sqrt(b) if math.isfinite(a) else None)
+                                  for a, b in zip(rest[::2], rest[1::2])]
+            pending.clear()
     versions = in_flight.versions if in_flight is not None else None
     if versions is not None:  # an --async-save writer may still read the buffer W(t+1) takes
         STAGING.wait()
@@ -97,8 +118,30 @@ def train_step(forward_step_func: Callable, data_iterator: Iterator, model: list
         stepped, grad_norm = optimizer.apply(grad_norm, found_inf > 0, math.isfinite(loss))
     if stepped:
         update_expert_bias(model)  # --moe-router-enable-expert-bias (no-op without)
-    return loss, stepped, grad_norm
+    return (math.nan, stepped, None) if unaligned else (loss, stepped, grad_norm)
 
+
+def _unaligned_scalars(losses: list[dict], loss_key: str, optimizer, pending: list,
+                       signals: ExitSignalHandler | None) -> tuple[float, float, float]:
+    """A 2bw step whose stages do not meet: (loss, grad norm, found inf) of this stage only,
+    reduced over its DP and TP ranks; the loss is the DP mean on the last stage, 0 elsewhere
+    (a NaN/Inf loss makes every stage's grads non-finite: each skips the step). Appends the
+    loss and the stage's grad norm^2 ([2] on the device) to `pending` for the next aligned
+    step, and posts the SIGTERM flag (`signals.post_flag`), settled by the next step."""
+    loss = _mean_over_data_parallel(losses, loss_key) if losses else \
+        torch.zeros(1, dtype=torch.float64, device=device.current_device())
+    stats = optimizer.grad_stats(within_stage=True).double()
+    pending.append(torch.cat([loss, stats[:1] ** 2]))
+    if signals is not None:
+        signals.post_flag(device.current_device())
+    loss_value, grad_norm, found_inf = torch.cat([loss, stats]).tolist()
+    return loss_value, grad_norm, found_inf
+
+
+def _sum_over_stages(values: torch.Tensor) -> torch.Tensor:
+    """`values` summed over the pipeline group (one rank per stage), in place."""
+    comm.all_reduce(values, ps.get_pipeline_model_parallel_group())
+    return values
 
 
 def _mean_over_data_parallel(losses: list[dict], key: str) -> torch.Tensor:
@@ -264,22 +307,35 @@ def training_iteration(run: Run, batches: TimedIterator, guard: SkipGuard,
     (skipped on NaN/Inf), its loss and grad norm recorded, the schedule advanced, the log
     line, the skip guard updated (NonFiniteError after too many). Returns whether it stepped.
     With 2bw the step runs with `run.in_flight` (its `drain` set by the caller)."""
-    layout, task = run.layout, run.task
+    layout, task, in_flight = run.layout, run.task, run.in_flight
     if layer_drop is not None:
         start_layer_drop(run.model, layer_drop, replica, run.iteration)
     loss, stepped, grad_norm = train_step(
         inject_faults(task.forward_step, run.iteration + 1), batches, run.model,
-        run.optimizer, layout, task.loss_key, signals, run.in_flight)
+        run.optimizer, layout, task.loss_key, signals, in_flight)
     run.iteration += 1
-    iteration = run.iteration
-    run.losses[iteration], run.grad_norms[iteration] = loss, grad_norm
     run.consumed += layout.global_batch_size
     if stepped:  # a skipped (overflowing / non-finite) step does not advance the schedule
         run.scheduler.step()
-    run.logger.step(iteration, loss, stepped, grad_norm, run.scheduler.get_lr(),
-                    run.optimizer.loss_scale, data_seconds=batches.take())
-    guard.update(iteration, stepped, run.optimizer.scaler)
+    step = (run.iteration, stepped, run.scheduler.get_lr(), run.optimizer.loss_scale,
+            batches.take())
+    if in_flight is not None and not in_flight.aligned:  # recorded at the next aligned step
+        in_flight.unrecorded.append(step)
+    else:
+        if in_flight is not None:
+            for values, earlier in zip(in_flight.resolved, in_flight.unrecorded, strict=True):
+                _record(run, *values, *earlier)
+            in_flight.unrecorded.clear()
+        _record(run, loss, grad_norm, *step)
+    guard.update(run.iteration, stepped, run.optimizer.scaler)
     return stepped
+
+
+def _record(run: Run, loss: float, grad_norm: float | None, iteration: int, stepped: bool,
+            lr: float, loss_scale: float, data_seconds: float) -> None:
+    """Step `iteration`'s loss and grad norm in the run, and its figures in the logger."""
+    run.losses[iteration], run.grad_norms[iteration] = loss, grad_norm
+    run.logger.step(iteration, loss, stepped, grad_norm, lr, loss_scale, data_seconds)
 
 
 
@@ -287,18 +343,23 @@ def _train_loop(run: Run, train_batches: TimedIterator) -> None:
     """Steps from run.iteration to --train-iters (or an exit): validate every --eval-interval
     steps, save every --save-interval applied steps, at an exit and at the end. With 2bw
     (`run.in_flight`) the pipeline drains at the steps before those, and SIGTERM, known after
-    a step, ends the run one (draining) step later."""
+    a step, ends the run one (draining) step later; the stages meet (`InFlight.aligned`) only
+    at log and draining steps unless `step_alignment` names a flag that needs every step (in
+    between, SIGTERM is known a step later still)."""
     configs, in_flight = run.configs, run.in_flight
     t, ckpt = configs.train, configs.checkpoint
     save_interval = ckpt.save_interval or default_save_interval(t.train_iters)
     guard, save_due = SkipGuard(t.max_skipped_steps), False
     layer_drop = LayerDrop.from_configs(configs)
     replica = 0 if shared_over_replicas(configs) else ps.get_data_parallel_rank()
+    aligns = bool(step_alignment(configs))  # 2bw: the stages meet at every step's end
     with ExitSignalHandler(t.exit_signal_handler) as signals:
         while run.iteration < t.train_iters:
             if in_flight is not None:
                 in_flight.drain = _drains(run.iteration + 1, t, ckpt.save and save_interval,
                                           save_due, signals.stop_requested)
+                in_flight.aligned = in_flight.drain or aligns or \
+                    (run.iteration + 1) % t.log_interval == 0
             stepped = training_iteration(run, train_batches, guard, layer_drop, replica,
                                          signals)
             iteration = run.iteration

@@ -56,13 +56,14 @@ class SkipGuard:
 class ExitSignalHandler:
     """While entered, SIGTERM only sets a flag. Once per step every rank calls `flag()` (a MAX
     all-reduce over the world, left on the device), reads it on the host with the step's
-    other scalars and hands the value to `settle`; `stop_requested` is then True on every
-    rank once any rank got one."""
+    other scalars and hands the value to `settle`, or `post_flag()` and, one step later,
+    `settle_posted()`; `stop_requested` is then True on every rank once any rank got one."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.received, self._previous = False, None
         self.stop_requested = False
+        self._posted: tuple[torch.Tensor, object] | None = None  # post_flag's, not yet settled
 
     def _handle(self, signum, frame) -> None:
         self.received = True
@@ -87,6 +88,23 @@ class ExitSignalHandler:
     def settle(self, flag: float) -> None:
         """Take the host value of this step's `flag()`."""
         self.stop_requested = flag > 0
+
+    def post_flag(self, device: torch.device) -> None:
+        """Start this step's MAX all-reduce of the flag over the world without waiting for it
+        (PipeDream-2BW between aligned steps, whose ranks do not meet); the next step's
+        `settle_posted` takes its value."""
+        if self.enabled:
+            flag = torch.full((1,), 1.0 if self.received else 0.0, device=device)
+            self._posted = flag, comm.all_reduce(flag, dist.group.WORLD,
+                                                 op=dist.ReduceOp.MAX, async_op=True)
+
+    def settle_posted(self) -> None:
+        """Wait for the flag `post_flag` started (if any) and take its value."""
+        if self._posted is not None:
+            (flag, work), self._posted = self._posted, None
+            if work is not None:
+                work.wait()
+            self.settle(flag.item())
 
 
 @dataclass(frozen=True)

@@ -19,17 +19,20 @@ from megalite.optimizer.kinds import optimizer_kind
 from megalite.planning import params as param_counts
 from megalite.planning import planner, state_bytes
 from megalite.schedules.accounting import pipeline_summary
+from megalite.schedules.tables import step_alignment
 from megalite.config.sharding import sharding_strategy
 from megalite.training.logger import log
 
 
 def log_pipeline(configs: Configs, layout: RunLayout) -> None:
     """Log what the pipeline costs: schedule, p, v, m, bubble and peak in-flight microbatches
-    per rank (from the schedule's table), and a warning when m < p."""
+    per rank (from the schedule's table; 2bw: with the flags that make its stages meet at each
+    step's end), and a warning when m < p."""
     pp, m = layout.grid.pp, layout.num_microbatches
     if pp == 1:
         return
-    log(pipeline_summary(layout.schedule.name, pp, m, layout.chunks_per_rank))
+    log(pipeline_summary(layout.schedule.name, pp, m, layout.chunks_per_rank,
+                         step_alignment(configs) if layout.schedule.across_steps else ()))
     if m < pp:
         need = layout.micro_batch_size * layout.data_parallel_size * pp
         log(f"WARNING: {m} microbatch(es) per step through {pp} pipeline stages: ranks idle "
