@@ -42,7 +42,7 @@ class GroupedExperts(nn.Module):
             param.expert_keys = [f"{e}.{source}.weight" for e in experts]
             self.register_parameter(name, param)
         device = self.weight1.device
-        self.use_grouped_mm = device.type == "cuda" and grouped_mm_runs(
+        self.use_grouped_mm = grouped_mm_runs(
             device, self.weight1.dtype, tuple(self.weight1.shape[1:]),
             tuple(self.weight2.shape[1:]))
 
@@ -105,7 +105,8 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, offsets = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = torch._grouped_mm(grad, weight, offs=offsets)
+        grad_x = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] \
+            else None
         grad_weight = torch._grouped_mm(grad.t(), x, offs=offsets)
         return grad_x, grad_weight, None
 
