@@ -129,6 +129,27 @@ def test_grouped_experts_equal_looped_and_checkpoints_cross_load(device):
     assert torch.equal(fresh.local_experts.weight1, grouped.local_experts.weight1)
 
 
+def test_cpu_grouped_experts_are_the_looped_experts_bit_for_bit():
+    """On the CPU the grouped experts run torch._grouped_mm, one matmul per expert with the
+    operands the looped experts' linears use: outputs, logged stats and every grad equal bit
+    for bit, with an input grad and without one (the rows' grad matmul is then skipped)."""
+    x = torch.randn(8, 2, H, generator=torch.Generator().manual_seed(4))
+    for input_grad in (True, False):
+        looped, grouped = _layer("cpu"), _layer("cpu", grouped_gemm=True)
+        assert grouped.local_experts.use_grouped_mm
+        results = []
+        for layer in (looped, grouped):
+            inp = x.clone().requires_grad_(input_grad)
+            out = layer(inp)
+            out.square().sum().backward()
+            results.append((out, inp.grad, full_grads(layer), layer.moe_state.rows[0]))
+        (a, a_grad, a_grads, a_row), (b, b_grad, b_grads, b_row) = results
+        assert torch.equal(a, b) and torch.equal(a_row, b_row)
+        assert torch.equal(a_grad, b_grad) if input_grad else a_grad is b_grad is None
+        assert sorted(a_grads) == sorted(b_grads)
+        assert all(torch.equal(a_grads[name], b_grads[name]) for name in a_grads)
+
+
 # --- 4 ranks: TP2 + SP x EP2 and CP2 x EP2 vs the one-process layer -----------------------
 
 S, B, RATE = 8, 2, 1e-3

@@ -91,8 +91,8 @@ def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int
     kept = counts if capacity is None else counts.clamp(max=capacity)
     ep = comm.world_size(group)
     local = num_experts // ep
-    recv_counts = comm.all_to_all_single(kept, [local] * ep, [local] * ep, group,
-                                         kind="all_to_all_counts")
+    recv_counts = kept if ep == 1 else comm.all_to_all_single(
+        kept, [local] * ep, [local] * ep, group, kind="all_to_all_counts")
     gathered = 1 if gather is None else comm.world_size(gather)
     all_counts = recv_counts if gather is None else \
         comm.all_gather_stacked(recv_counts, gather).reshape(-1)

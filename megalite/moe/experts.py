@@ -7,12 +7,13 @@ TP shards ParallelMLP's dense_h_to_4h / dense_4h_to_h would hold for each expert
 (`{e}.dense_h_to_4h.weight`), so full state dicts, checkpoints and HF mappings see the same
 names as with looped experts, and a checkpoint of one form loads into the other
 (megalite.models.sharding). The matmul backend is chosen once at construction:
-`torch._grouped_mm` on a GPU where it runs for the dtype and shapes; elsewhere one batched
-matmul over the rows padded to the busiest expert's count (torch 2.13's CPU `_grouped_mm`
-runs, but as one small matmul per expert: no faster than the loop, see docs/performance.md
-"DeepSeek-V3 MoE block"), or, when padding would more than double the rows, one matmul per
-expert. Weight grads are not deferred to zero-bubble W steps here (they are with looped
-experts).
+`torch._grouped_mm` wherever it runs for the dtype and shapes (GPUs; on the CPU, torch 2.13
+runs it as one matmul per expert, with the operands the looped experts' linears use, so the
+results equal theirs bit for bit, with no padding: see docs/performance.md "DeepSeek-V3 MoE
+block"); elsewhere (e.g. rows whose stride is not a multiple of 16 bytes) one batched matmul
+over the rows padded to the busiest expert's count, or, when padding would more than double
+the rows, one matmul per expert. Weight grads are not deferred to zero-bubble W steps here
+(they are with looped experts).
 """
 import functools
 
@@ -42,7 +43,7 @@ class GroupedExperts(nn.Module):
             param.expert_keys = [f"{e}.{source}.weight" for e in experts]
             self.register_parameter(name, param)
         device = self.weight1.device
-        self.use_grouped_mm = device.type == "cuda" and grouped_mm_runs(
+        self.use_grouped_mm = grouped_mm_runs(
             device, self.weight1.dtype, tuple(self.weight1.shape[1:]),
             tuple(self.weight2.shape[1:]))
 
@@ -105,7 +106,8 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, offsets = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = torch._grouped_mm(grad, weight, offs=offsets)
+        grad_x = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] \
+            else None
         grad_weight = torch._grouped_mm(grad.t(), x, offs=offsets)
         return grad_x, grad_weight, None
 

@@ -154,10 +154,12 @@ class MoELayer(nn.Module):
                     * shared
             out = out + shared
         if torch.is_grad_enabled():  # training: router losses (not computed in inference)
-            aux, z = self._router_losses(scores, indices, logits, x.shape[1])
+            attached = bool(self.aux_loss_coeff or self.z_loss_coeff)
+            with torch.set_grad_enabled(attached):  # only logged: no autograd graph
+                aux, z = self._router_losses(scores, indices, logits, x.shape[1])
             self.moe_state.record(self.layer_number, aux, z, plan.dropped,
                                   plan.tokens_per_expert)
-            if self.aux_loss_coeff or self.z_loss_coeff:
+            if attached:
                 # summed over TP ranks with SP (their router grads are summed), so each adds
                 # 1/t of its value; CP ranks' grads are averaged, so each adds its own
                 tp_shares = comm.world_size(self.tp_group) if self.sequence_parallel else 1
