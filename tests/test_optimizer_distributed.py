@@ -16,10 +16,10 @@ padding, per-fragment step counters).
 Checkpoint: a state_dict taken after 3 steps, loaded with the model params into a fresh
 model and optimizer, continues to exactly the same params after 5 steps (both optimizers).
 
-ZeRO-1's CPU shortcuts change no bit (TP 2 x DP 2, fp32 and bf16, 2 steps): on the CPU its
-buckets all-reduce instead of reduce-scattering, and its host offload steps the fp32 params
-themselves instead of copies; params equal those of an explicit reduce-scatter, with and
-without offload (offload compared on the CPU only: on a GPU it steps on another device).
+ZeRO-1's CPU all-reduce changes no bit (TP 2 x DP 2, fp32 and bf16, 2 steps): on the CPU its
+buckets all-reduce instead of reduce-scattering (gloo's reduce-scatter is slower); params
+equal those of an explicit reduce-scatter, with and without the host offload (compared on
+the CPU only: on a GPU the offload steps on another device).
 """
 import io
 
@@ -103,7 +103,7 @@ class _ReduceScatter(GradReducer):
                                           async_op=True)
 
 
-def _cpu_shortcuts_change_no_bit() -> dict:
+def _cpu_all_reduce_changes_no_bit() -> dict:
     init_grid(2)
     group = ps.get_data_parallel_group()
     results = {}
@@ -126,7 +126,7 @@ def _cpu_shortcuts_change_no_bit() -> dict:
     return results
 
 
-def test_zero1_cpu_shortcuts_keep_params_bit_identical():
-    for rank, results in enumerate(run_on_ranks(4, _cpu_shortcuts_change_no_bit)):
+def test_zero1_cpu_all_reduce_keeps_params_bit_identical():
+    for rank, results in enumerate(run_on_ranks(4, _cpu_all_reduce_changes_no_bit)):
         assert len(results) in (4, 6), results
         assert all(differ == [] for differ in results.values()), (rank, results)

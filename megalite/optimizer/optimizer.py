@@ -46,15 +46,11 @@ class Fragment:
            offset: int = 0, host: bool = False, in_place: bool = False) -> "Fragment":
         """`values` is (a view of) the model param's data, from flat element `offset` on;
         `host`: the fp32 main copy lives in host memory (--optimizer-cpu-offload), even for
-        fp32 params, unless they are there already (CPU runs: `main` aliases them, the copy
-        back is a no-op, and the checkpoint layout stays the offload's); `in_place`: no copy
-        yet, `main` aliases `values` (the nvme tier moves the masters to its file,
-        megalite.optimizer.nvme_tier)."""
+        fp32 params; `in_place`: no copy yet, `main` aliases `values` (the nvme tier moves
+        the masters to its file, megalite.optimizer.nvme_tier)."""
         if in_place:
             return cls(model_param, values, grad,
                        None if values.dtype == torch.float32 else values, offset)
-        if host and values.device.type == "cpu" and values.dtype == torch.float32:
-            return cls(model_param, values, grad, values, offset)
         if host:
             return cls(model_param, values.detach().to("cpu", torch.float32, copy=True), grad,
                        values, offset)
