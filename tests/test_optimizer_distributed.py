@@ -3,8 +3,8 @@
 On 4 ranks, layouts DP 4, DP 2 (two groups of 2) and TP 2 x DP 2: the same model, batches
 and DDP settings, AdamW for 5 steps, with and without sharding. fp32: params within 1e-6
 relative after every step (~2e-7 seen). The two differ only in how a bucket is reduced
-(reduce-scatter vs all-reduce: grads differ by ~1e-10 at DP 4, summation order) and in
-the order the norm is summed. Adam eps is 1e-5: Adam moves an element by
+(on GPUs reduce-scatter vs all-reduce: grads differ by ~1e-10 at DP 4, summation order; on
+the CPU both all-reduce) and in the order the norm is summed. Adam eps is 1e-5: Adam moves an element by
 lr * g / (|g| + eps), and the attention key bias has a true grad of 0 (softmax ignores a
 shift), so its computed grad is that rounding noise; with eps 1e-8 Adam amplifies it into
 1e-4 relative parameter differences (measured), with 1e-5 it stays below 1e-6.
