@@ -164,6 +164,9 @@ def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
             unit.set_force_sum_reduction_for_comms(experts.size() > 1)
     fully_shard(chunk, mesh=dense, reshard_after_forward=reshard, mp_policy=policy,
                 offload_policy=offload)
+    if device.device_type() == "cpu":
+        for unit in [u for u, _ in units] + [chunk]:
+            unit.set_custom_reduce_scatter(_all_reduce_scatter())
     for name, param in chunk.named_parameters():
         param.__dict__.update(attributes[name])
         _localise_padding_rows(param)
@@ -172,6 +175,24 @@ def shard_model(chunk: nn.Module, strategy: str, param_dtype: torch.dtype,
         sharded.param_tier = attach_param_tier(chunk, [u for u, _ in units], param_tier,
                                                nvme_path)
     return sharded
+
+
+def _all_reduce_scatter():
+    """FSDP2's reduce-scatter for the CPU: an all-reduce of its input [size * n] (gloo's
+    reduce-scatter takes 1.2-2x its all-reduce of the same tensor, docs/performance.md), then
+    this rank's n elements; AVG (gloo's all-reduce has none) as the sum divided by the size."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class AllReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
+                     op, async_op: bool = False) -> None:
+            average = op == dist.ReduceOp.AVG
+            dist.all_reduce(input_tensor, dist.ReduceOp.SUM if average else op, group=group)
+            output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+            if average:
+                output_tensor.div_(group.size())
+    return AllReduceScatter()
 
 
 def _localise_padding_rows(param: DTensor) -> None:

@@ -80,11 +80,11 @@ class Bucket:
             self.handle = None
 
     def gather_params(self) -> None:
-        """All-gather every rank's shard of the param buffer on the DP group (sharded only)."""
+        """All-gather every rank's shard of the param buffer on the DP group (sharded only), in
+        place: the shard is the output's own slice (gloo and NCCL read it before writing)."""
         if self.dp > 1:
             with comm.count_bytes() as moved:
-                comm.all_gather_into(self.param_data, self._local(self.param_data).clone(),
-                                     self.group)
+                comm.all_gather_into(self.param_data, self._local(self.param_data), self.group)
             self.bytes_sent += sum(moved.values())
 
 

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.mpu import comm, parallel_state
-from megalite.mpu.mappings import (copy_to_tensor_model_parallel_region,
-                                   gather_from_sequence_parallel_region,
+from megalite.mpu.mappings import (gather_from_sequence_parallel_region,
                                    gather_from_tensor_model_parallel_region,
                                    reduce_from_tensor_model_parallel_region,
                                    reduce_scatter_to_sequence_parallel_region,
@@ -150,7 +149,7 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split along its output columns: weight [out/tp, in].
 
     forward(x [..., in]) -> (y [..., out/tp] or [..., out] if gather_output, bias or None).
-    The grad of x is all-reduced on the TP group (copy_to_tensor_model_parallel_region).
+    The grad of x is all-reduced on the TP group, overlapped with the weight grad (`linear`).
     `stride` > 1: the output is `stride` blocks (SwiGLU's [gate; up]), each split over TP.
     `tp_replicas` > 1: groups of that many consecutive TP ranks hold the same out/(tp/replicas)
     slice (GQA's KV groups when TP > groups); their weight grads are partial sums, added up by
@@ -189,10 +188,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)
-        elif not self.disable_grad_reduce:
-            x = copy_to_tensor_model_parallel_region(x, self.group)
+        reduce_grad_x = not (self.sequence_parallel or self.disable_grad_reduce)
         bias = None if self.skip_bias_add else self.bias
-        y = linear(x, self.weight, bias)
+        y = linear(x, self.weight, bias, self.group if reduce_grad_x else None)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -283,9 +281,7 @@ class VocabParallelEmbedding(nn.Module):
         `sequence_parallel`: hidden is [s/t, b, h], all-gathered along s on the TP group."""
         if sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, self.group)
-        else:
-            hidden = copy_to_tensor_model_parallel_region(hidden, self.group)
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, None if sequence_parallel else self.group)
         if not self.num_padding_rows:
             return logits
         return _MaskVocabPadding.apply(logits, self.num_padding_rows)

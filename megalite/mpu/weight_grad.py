@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from megalite.mpu import comm
+
 WeightGradWork = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (weight, x, grad of y)
 _queue: list[WeightGradWork] | None = None  # global, not thread-local: autograd may run
                                              # backward on its own (CUDA) thread
@@ -43,9 +45,9 @@ def apply_weight_grads(work: list[WeightGradWork]) -> None:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, grad_x_group):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.grad_x_group = bias is not None, grad_x_group
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -53,6 +55,8 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
+        reducing = None if grad_x is None or ctx.grad_x_group is None else \
+            comm.all_reduce(grad_x, ctx.grad_x_group, async_op=True)
         grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0) if ctx.has_bias else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
@@ -61,10 +65,15 @@ class _Linear(torch.autograd.Function):
             else:
                 grad_weight = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(
                     x.reshape(-1, x.shape[-1]))
-        return grad_x, grad_weight, grad_bias
+        if reducing is not None:
+            reducing.wait()
+        return grad_x, grad_weight, grad_bias, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """y [..., out] = x [..., in] @ weight [out, in]^T + bias, with a deferrable weight grad."""
-    return _Linear.apply(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           grad_x_group=None) -> torch.Tensor:
+    """y [..., out] = x [..., in] @ weight [out, in]^T + bias, with a deferrable weight grad.
+    `grad_x_group`: the grad of x is all-reduced on that group (the TP group: x entered the
+    TP region here, as through copy_to_tensor_model_parallel_region), asynchronously while
+    the weight grad is computed (Megatron-core's overlap)."""
+    return _Linear.apply(x, weight, bias, grad_x_group)
