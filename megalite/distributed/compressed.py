@@ -22,7 +22,9 @@ byte counts are the real ones): it counts w (c / 8 + 4 P) bytes, against 4 n for
 all-reduce's payload (about 32 times fewer while P << c; on the wire, ring collectives, the
 ratio is the same).
 """
+import bisect
 import functools
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -90,22 +92,16 @@ def sign_table(device: torch.device) -> torch.Tensor:
     return (2.0 * bits - 1.0).to(device)
 
 
-def unpack_signs(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[..., k] uint8 -> [..., 8 k] fp32, +1.0 where the bit is set, else -1.0 (the inverse
-    of `pack_signs`), in `out` (contiguous) when given: one table lookup per byte."""
-    if out is None:
-        out = torch.empty(*packed.shape[:-1], packed.shape[-1] * BITS, device=packed.device)
-    index = scratch(packed.numel(), torch.int32, packed.device)
-    index.view(packed.shape).copy_(packed)
-    torch.index_select(sign_table(packed.device), 0, index, out=out.view(-1, BITS))
-    return out
-
-
 class Pieces:
     """Chunks [r, c] cut into pieces of `rows` lengths (per row; `sizes` flat, `lengths` on the
     device); `slots` [pieces] (long), each piece's place in the rows' [r, P] scales
     (row-major; P = `per_row`). A payload row: c / 8 bytes of packed signs (`sign_bytes`),
-    then the row's P scales as 4 P bytes."""
+    then the row's P scales as 4 P bytes.
+
+    Decompressing looks each byte's 8 values up in a table of its piece's [256, 8] signed
+    scales (`byte_counts`: how many bytes each piece's table serves, a byte going to the piece
+    of its first element); the elements of a piece that shares its first byte with an
+    earlier piece (`straddling` [e], in `straddling_pieces` [e]) take their own scale after."""
 
     def __init__(self, rows: list[list[int]], per_row: int, device: torch.device) -> None:
         self.rows, self.per_row, self.width = len(rows), per_row, sum(rows[0])
@@ -114,6 +110,17 @@ class Pieces:
         self.lengths = torch.tensor(self.sizes, device=device)
         self.slots = torch.tensor([r * per_row + i for r, row in enumerate(rows)
                                    for i in range(len(row))], device=device)
+        ends = list(itertools.accumulate(self.sizes))
+        bounds = list(zip([0, *ends[:-1]], ends))
+        first_byte = [-(-start // BITS) for start, _ in bounds]  # the first it starts
+        self.byte_counts = [-(-end // BITS) - byte for byte, (_, end) in zip(first_byte, bounds)]
+        self.table_offsets = [256 * p for p in range(len(bounds))]
+        pairs = [(e, p) for p, (byte, (start, end)) in enumerate(zip(first_byte, bounds))
+                 for e in range(start, min(end, byte * BITS))]
+        self.straddling_list = [e for e, _ in pairs]  # ascending
+        self.straddling = torch.tensor(self.straddling_list, dtype=torch.long, device=device)
+        self.straddling_pieces = torch.tensor([p for _, p in pairs], dtype=torch.long,
+                                              device=device)
 
     def compress_(self, x: torch.Tensor) -> torch.Tensor:
         """Rows x [r, c] (contiguous) -> payload [r, c / 8 + 4 P] uint8 (packed signs, then
@@ -128,17 +135,30 @@ class Pieces:
         bits = scratch(x.numel(), torch.bool, x.device)
         torch.ge(x.view(-1), 0, out=bits)
         payload[:, :self.sign_bytes] = pack_bits_(bits.view(self.rows, -1))
-        x.view(-1).sub_(self.decompress(payload).view(-1))
+        x.view(-1).sub_(self.decompress(payload))
         return payload
 
-    def decompress(self, payload: torch.Tensor) -> torch.Tensor:
-        """Payload rows [r, c / 8 + 4 P] uint8 -> their values sign * scale [r, c] fp32, in
-        the fp32 `scratch` (valid until its next use)."""
-        out = scratch(self.rows * self.width, torch.float32, payload.device)
-        unpack_signs(payload[:, :self.sign_bytes], out.view(self.rows, -1))
-        table = payload[:, self.sign_bytes:].reshape(-1).clone().view(torch.float32)
-        torch._foreach_mul_(out.view(-1).split(self.sizes), list(table[self.slots].unbind()))
-        return out.view(self.rows, -1)
+    def decompress(self, payload: torch.Tensor, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """Payload rows [r, c / 8 + 4 P] uint8 -> their values sign * scale, flat [r c] fp32:
+        the first out.numel() of them into `out` (contiguous fp32), by default all of them
+        into the fp32 `scratch` (valid until its next use)."""
+        if out is None:
+            out = scratch(self.rows * self.width, torch.float32, payload.device)
+        scales = payload[:, self.sign_bytes:].reshape(-1).clone().view(torch.float32)
+        scales = scales[self.slots]
+        index = scratch(self.rows * self.sign_bytes, torch.int32, payload.device)
+        index.view(self.rows, -1).copy_(payload[:, :self.sign_bytes])
+        torch._foreach_add_(index.split(self.byte_counts), self.table_offsets)
+        tables = (sign_table(payload.device) * scales[:, None, None]).view(-1, BITS)
+        whole, rest = divmod(out.numel(), BITS)
+        torch.index_select(tables, 0, index[:whole], out=out[:whole * BITS].view(-1, BITS))
+        if rest:
+            out[whole * BITS:] = tables.index_select(0, index[whole:whole + 1])[0, :rest]
+        fixed = bisect.bisect_left(self.straddling_list, out.numel())
+        elements = self.straddling[:fixed]
+        out[elements] = torch.copysign(scales[self.straddling_pieces[:fixed]], out[elements])
+        return out
 
 
 class CompressedAllReduce:
@@ -181,9 +201,12 @@ class CompressedAllReduce:
             row = self.lengths[dist.get_rank(group)]
             self.served = (Pieces([row] * self.world, self.per_row, x.device),
                            Pieces([row], self.per_row, x.device))
-        self.server_error += self.served[0].decompress(received).mean(0)
+        self.server_error += self.served[0].decompress(received).view(self.world, -1).mean(0)
         payload = self.served[1].compress_(self.server_error.view(1, -1))
         gathered = torch.empty(self.world, payload.shape[-1], dtype=torch.uint8,
                                device=x.device)
         comm.all_gather_into(gathered, payload, group)
-        x.copy_(self.pieces.decompress(gathered).view(-1)[:self.n])
+        direct = x.dtype == torch.float32 and x.is_contiguous()  # else through the scratch
+        values = self.pieces.decompress(gathered, x if direct else None)
+        if not direct:
+            x.copy_(values[:self.n])
