@@ -10,9 +10,12 @@ per rank, reduced by:
 - the 1-bit compressed all-reduce with error feedback (megalite.distributed.compressed).
 
 Bytes are megalite.mpu.comm's payload counts per rank per reduction; seconds the median of
-`--steps` reductions after `--warmup` (the ranks start together). Prints figures; asserts
-nothing.
+`--steps` reductions after `--warmup` (the ranks start together), the best of two rounds;
+peak MiB the largest resident set of a rank (the gradient is a view of the reduce-scatter's
+padded buckets). Prints figures; asserts nothing.
 """
+import resource
+
 import torch
 import torch.distributed as dist
 from common import benchmark_parser, machine_line, median_seconds, turn_order
@@ -25,10 +28,11 @@ from megalite.mpu import comm
 def measure(elements: int, bucket_size: int, steps: int, warmup: int) -> dict:
     """{method: (median seconds, bytes counted per reduction)} on this rank."""
     group, world = dist.group.WORLD, dist.get_world_size()
-    flat = torch.randn(elements, generator=torch.Generator().manual_seed(dist.get_rank()))
-    compressed = CompressedAllReduce(elements, world, flat.device)
     per_bucket = -(-min(bucket_size, elements) // world) * world
     padded = torch.zeros(-(-elements // per_bucket) * per_bucket)
+    flat = padded[:elements]
+    flat.normal_(generator=torch.Generator().manual_seed(dist.get_rank()))
+    compressed = CompressedAllReduce(elements, world, flat.device)
 
     def reduce_scatter() -> None:
         rank = dist.get_rank()
@@ -47,6 +51,7 @@ def measure(elements: int, bucket_size: int, steps: int, warmup: int) -> dict:
                                          barrier=True)
             best = results.get(name, (float("inf"), 0))[0]
             results[name] = (min(best, seconds), sum(moved.values()) // (steps + warmup))
+    results["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return results
 
 
@@ -66,10 +71,12 @@ def main() -> None:
                            timeout=args.timeout)
     finally:
         pool.close()
+    peak = max(r.pop("peak") for r in results)
     seconds = {name: max(r[name][0] for r in results) for name in results[0]}
     base_bytes = results[0]["fp32 all-reduce"][1]
     print(f"DP {args.ranks} gloo, {args.elements:,} fp32 elements per rank "
-          f"({args.elements * 4 / 2 ** 20:.0f} MiB); bytes counted per rank per reduction")
+          f"({args.elements * 4 / 2 ** 20:.0f} MiB); bytes counted per rank per reduction; "
+          f"peak {peak / 2 ** 20:.0f} MiB resident per rank")
     print(f"{'method':28} {'seconds':>8} {'MiB':>9} {'bytes vs fp32 AR':>17} "
           f"{'time vs fp32 AR':>16}")
     for name in seconds:
