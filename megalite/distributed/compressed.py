@@ -21,6 +21,12 @@ uint8 row), so a step is one all-to-all and one all-gather through megalite.mpu.
 byte counts are the real ones): it counts w (c / 8 + 4 P) bytes, against 4 n for an fp32
 all-reduce's payload (about 32 times fewer while P << c; on the wire, ring collectives, the
 ratio is the same).
+
+The element-wise work is a few passes over memory, in place: x is added into the worker
+error, whose pieces' norms are taken; signs are compared into bools and packed eight at a
+time as one int64 times a constant; decompressing is one lookup per byte in a [256, 8] table
+of +-its piece's scale (8 KiB per piece: cheap while pieces are thousands of elements long);
+the error keeps x minus that. Work buffers are reused across calls (`scratch`).
 """
 import bisect
 import functools
