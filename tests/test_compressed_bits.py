@@ -4,14 +4,18 @@ says; infinities, denormals, values around 1):
 
 - pack_signs: bit i of byte j is x[8 j + i] >= 0;
 - Pieces.decompress: each element is +scale of its piece where its bit is set, else -scale,
-  with pieces that start and end inside a byte, into the scratch and into a shorter `out`;
+  with pieces that start and end inside a byte, into the scratch and into a shorter `out`,
+  through a table per piece (long pieces) and through one table times each element's scale;
+  the norms through a list of views and through one segment reduction (many pieces);
 - Pieces.compress_: the packed signs and ||piece|| / sqrt(piece size) per piece in the
   payload, and x left as x - sign(x) scale.
 
 The single-process pieces only; the collectives are test_onebit.py's.
 """
+import pytest
 import torch
 
+from megalite.distributed import compressed
 from megalite.distributed.compressed import BITS, Pieces, pack_signs
 
 EDGES = [0.0, -0.0, float("inf"), -float("inf"), 1e-45, -1e-45, 1.0, -1.0, 3e38, -3e38]
@@ -49,8 +53,15 @@ def test_pack_signs_matches_the_bytes_of_python_ints():
     assert pack_signs(torch.tensor([-0.0] * 8)).item() == 255  # -0.0 >= 0: +1
 
 
-def test_decompress_and_compress_match_the_elementwise_reference():
+@pytest.mark.parametrize("table_min_length,many_pieces",
+                         ((1, 4096), (10 ** 9, 4096), (10 ** 9, 1)))
+def test_decompress_and_compress_match_the_elementwise_reference(table_min_length, many_pieces,
+                                                                 monkeypatch):
+    """A table per piece or one shared; norms by a list of views or a segment reduction."""
+    monkeypatch.setattr(compressed, "TABLE_MIN_LENGTH", table_min_length)
+    monkeypatch.setattr(compressed, "MANY_PIECES", many_pieces)
     pieces = Pieces(ROWS, per_row=4, device=torch.device("cpu"))
+    assert pieces.piece_tables == (table_min_length == 1)
     width, count = sum(ROWS[0]), sum(len(row) for row in ROWS)
     x = values(len(ROWS) * width, seed=1)
     x[5:25] = 0.0  # a piece of zeros: scale 0, sent as +-0.0

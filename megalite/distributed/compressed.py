@@ -23,10 +23,12 @@ all-reduce's payload (about 32 times fewer while P << c; on the wire, ring colle
 ratio is the same).
 
 The element-wise work is a few passes over memory, in place: x is added into the worker
-error, whose pieces' norms are taken; signs are compared into bools and packed eight at a
-time as one int64 times a constant; decompressing is one lookup per byte in a [256, 8] table
-of +-its piece's scale (8 KiB per piece: cheap while pieces are thousands of elements long);
-the error keeps x minus that. Work buffers are reused across calls (`scratch`).
+error, whose pieces' norms are taken (one segment reduction when the pieces are many);
+signs are compared into bools and packed eight at a time as one int64 times a constant;
+decompressing is one lookup per byte in a [256, 8] table of +-its piece's scale while pieces
+are long (8 KiB per piece), else in one table of +-1 times each element's scale; the error
+keeps x minus that. Work buffers are reused across calls (`scratch`). Up to MANY_PIECES
+pieces the results are bit for bit those of the plain where / repeat_interleave form.
 """
 import bisect
 import functools
@@ -40,6 +42,8 @@ from megalite.mpu import comm
 BITS = 8
 SCALE_BYTES = 4  # one fp32 scale, sent as 4 uint8
 PACK_MULTIPLIER = 0x0102040810204080  # byte j of it: bit 7 - j
+TABLE_MIN_LENGTH = 1 << 15  # mean piece length from which each piece gets its own table
+MANY_PIECES = 4096  # from there on the norms are one segment reduction, not a list of views
 
 
 def chunk_size(n: int, world: int) -> int:
@@ -104,10 +108,12 @@ class Pieces:
     (row-major; P = `per_row`). A payload row: c / 8 bytes of packed signs (`sign_bytes`),
     then the row's P scales as 4 P bytes.
 
-    Decompressing looks each byte's 8 values up in a table of its piece's [256, 8] signed
-    scales (`byte_counts`: how many bytes each piece's table serves, a byte going to the piece
-    of its first element); the elements of a piece that shares its first byte with an
-    earlier piece (`straddling` [e], in `straddling_pieces` [e]) take their own scale after."""
+    Decompressing looks each byte's 8 values up in a table. While the pieces are long (on
+    average TABLE_MIN_LENGTH elements or more: `piece_tables`), each has its [256, 8] table of
+    +-its scale (8 KiB; `byte_counts`: how many bytes each piece's table serves, a byte going
+    to the piece of its first element; the elements of a piece that shares its first byte
+    with an earlier piece, `straddling` [e] in `straddling_pieces` [e], take their own scale
+    after). Short pieces share one table of +-1, times each element's scale."""
 
     def __init__(self, rows: list[list[int]], per_row: int, device: torch.device) -> None:
         self.rows, self.per_row, self.width = len(rows), per_row, sum(rows[0])
@@ -116,7 +122,8 @@ class Pieces:
         self.lengths = torch.tensor(self.sizes, device=device)
         self.slots = torch.tensor([r * per_row + i for r, row in enumerate(rows)
                                    for i in range(len(row))], device=device)
-        ends = list(itertools.accumulate(self.sizes))
+        self.piece_tables = len(self.sizes) * TABLE_MIN_LENGTH <= self.rows * self.width
+        ends = list(itertools.accumulate(self.sizes)) if self.piece_tables else []
         bounds = list(zip([0, *ends[:-1]], ends))
         first_byte = [-(-start // BITS) for start, _ in bounds]  # the first it starts
         self.byte_counts = [-(-end // BITS) - byte for byte, (_, end) in zip(first_byte, bounds)]
@@ -132,7 +139,11 @@ class Pieces:
         """Rows x [r, c] (contiguous) -> payload [r, c / 8 + 4 P] uint8 (packed signs, then
         each piece's fp32 scale ||piece|| / sqrt(its length)); x becomes what the 1-bit
         approximation sign(x) scale lost."""
-        norms = torch.stack(torch._foreach_norm(x.view(-1).split(self.sizes)))  # one launch
+        if len(self.sizes) <= MANY_PIECES:
+            norms = torch.stack(torch._foreach_norm(x.view(-1).split(self.sizes)))
+        else:
+            norms = torch.segment_reduce(x.view(-1).square(), "sum", lengths=self.lengths)
+            norms = norms.sqrt()
         table = torch.zeros(self.rows * self.per_row, device=x.device)
         table[self.slots] = norms / self.lengths.sqrt()
         payload = torch.empty(self.rows, self.sign_bytes + SCALE_BYTES * self.per_row,
@@ -155,12 +166,17 @@ class Pieces:
         scales = scales[self.slots]
         index = scratch(self.rows * self.sign_bytes, torch.int32, payload.device)
         index.view(self.rows, -1).copy_(payload[:, :self.sign_bytes])
-        torch._foreach_add_(index.split(self.byte_counts), self.table_offsets)
-        tables = (sign_table(payload.device) * scales[:, None, None]).view(-1, BITS)
+        tables = sign_table(payload.device)
+        if self.piece_tables:
+            torch._foreach_add_(index.split(self.byte_counts), self.table_offsets)
+            tables = (tables * scales[:, None, None]).view(-1, BITS)
         whole, rest = divmod(out.numel(), BITS)
         torch.index_select(tables, 0, index[:whole], out=out[:whole * BITS].view(-1, BITS))
         if rest:
             out[whole * BITS:] = tables.index_select(0, index[whole:whole + 1])[0, :rest]
+        if not self.piece_tables:  # +-1 so far
+            return out.mul_(scales.repeat_interleave(
+                self.lengths, output_size=self.rows * self.width)[:out.numel()])
         fixed = bisect.bisect_left(self.straddling_list, out.numel())
         elements = self.straddling[:fixed]
         out[elements] = torch.copysign(scales[self.straddling_pieces[:fixed]], out[elements])
