@@ -1,6 +1,7 @@
 """Wall time and bytes of the 1-bit compressed all-reduce against fp32 DP reductions.
 
     python benchmarks/bench_compressed_allreduce.py [--ranks 8 --elements 25000000]
+    python benchmarks/bench_compressed_allreduce.py --profile [--ranks 8 --elements ...]
 
 On `--ranks` gloo CPU ranks (OMP_NUM_THREADS=1 each), one flat fp32 gradient of `--elements`
 per rank, reduced by:
@@ -10,14 +11,21 @@ per rank, reduced by:
 - the 1-bit compressed all-reduce with error feedback (megalite.distributed.compressed).
 
 Bytes are megalite.mpu.comm's payload counts per rank per reduction; seconds the median of
-`--steps` reductions after `--warmup` (the ranks start together). Prints figures; asserts
-nothing.
+`--steps` reductions after `--warmup` (the ranks start together), the best of two rounds;
+peak MiB the largest resident set of a rank (the gradient is a view of the reduce-scatter's
+padded buckets). Prints figures; asserts nothing.
+
+--profile: one rank's share of the compute instead, in this process on one thread: each stage
+of a call (the collectives left out, this rank's own payload standing for the w received),
+the best of `--steps`, in ms and ns per element.
 """
+import resource
+
 import torch
 import torch.distributed as dist
 from common import benchmark_parser, machine_line, median_seconds, turn_order
 
-from megalite.distributed.compressed import CompressedAllReduce
+from megalite.distributed.compressed import CompressedAllReduce, Pieces
 from megalite.distributed.rank_pool import RankPool
 from megalite.mpu import comm
 
@@ -25,10 +33,11 @@ from megalite.mpu import comm
 def measure(elements: int, bucket_size: int, steps: int, warmup: int) -> dict:
     """{method: (median seconds, bytes counted per reduction)} on this rank."""
     group, world = dist.group.WORLD, dist.get_world_size()
-    flat = torch.randn(elements, generator=torch.Generator().manual_seed(dist.get_rank()))
-    compressed = CompressedAllReduce(elements, world, flat.device)
     per_bucket = -(-min(bucket_size, elements) // world) * world
     padded = torch.zeros(-(-elements // per_bucket) * per_bucket)
+    flat = padded[:elements]
+    flat.normal_(generator=torch.Generator().manual_seed(dist.get_rank()))
+    compressed = CompressedAllReduce(elements, world, flat.device)
 
     def reduce_scatter() -> None:
         rank = dist.get_rank()
@@ -47,7 +56,35 @@ def measure(elements: int, bucket_size: int, steps: int, warmup: int) -> dict:
                                          barrier=True)
             best = results.get(name, (float("inf"), 0))[0]
             results[name] = (min(best, seconds), sum(moved.values()) // (steps + warmup))
+    results["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return results
+
+
+def profile(elements: int, world: int, steps: int) -> None:
+    """Print the best seconds of each stage of one rank's compute on `elements`."""
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    reducer = CompressedAllReduce(elements, world, device)
+    row = reducer.lengths[0]
+    received, alone = (Pieces([row] * world, reducer.per_row, device),
+                       Pieces([row], reducer.per_row, device))
+    x = torch.randn(elements)
+    payload = reducer.pieces.compress_(reducer.worker_error.view(world, -1))
+    stages = {
+        "worker: x added into the error": lambda: reducer.worker_error[:elements].add_(x),
+        "worker: compress_ (norms, signs, error)":
+            lambda: reducer.pieces.compress_(reducer.worker_error.view(world, -1)),
+        "server: decompress w chunks + mean": lambda: reducer.server_error.add_(
+            received.decompress(payload).view(world, -1).mean(0)),
+        "server: compress_ its chunk": lambda: alone.compress_(reducer.server_error.view(1, -1)),
+        "all: decompress the gathered into x": lambda: reducer.pieces.decompress(payload, x)}
+    print(f"one rank's compute of DP {world} on {elements:,} elements, 1 thread, best of {steps}")
+    total = 0.0
+    for name, stage in stages.items():
+        best = min(median_seconds(lambda _: stage(), 1, warmup=0) for _ in range(steps))
+        total += best
+        print(f"{name:40} {best * 1e3:9.1f} ms {best * 1e9 / elements:6.2f} ns/element")
+    print(f"{'total':40} {total * 1e3:9.1f} ms {total * 1e9 / elements:6.2f} ns/element")
 
 
 def main() -> None:
@@ -58,18 +95,25 @@ def main() -> None:
                         help="seconds the ranks may take (a loaded 2-core machine is slow)")
     parser.add_argument("--bucket-size", type=int, default=40_000_000,
                         help="elements per reduce-scatter bucket (--ddp-bucket-size)")
+    parser.add_argument("--profile", action="store_true",
+                        help="time one rank's compute per stage, in this process")
     args = parser.parse_args()
     print(machine_line())
+    if args.profile:
+        profile(args.elements, args.ranks, args.steps)
+        return
     pool = RankPool(args.ranks)
     try:
         results = pool.run(measure, args.elements, args.bucket_size, args.steps, args.warmup,
                            timeout=args.timeout)
     finally:
         pool.close()
+    peak = max(r.pop("peak") for r in results)
     seconds = {name: max(r[name][0] for r in results) for name in results[0]}
     base_bytes = results[0]["fp32 all-reduce"][1]
     print(f"DP {args.ranks} gloo, {args.elements:,} fp32 elements per rank "
-          f"({args.elements * 4 / 2 ** 20:.0f} MiB); bytes counted per rank per reduction")
+          f"({args.elements * 4 / 2 ** 20:.0f} MiB); bytes counted per rank per reduction; "
+          f"peak {peak / 2 ** 20:.0f} MiB resident per rank")
     print(f"{'method':28} {'seconds':>8} {'MiB':>9} {'bytes vs fp32 AR':>17} "
           f"{'time vs fp32 AR':>16}")
     for name in seconds:

@@ -21,7 +21,19 @@ uint8 row), so a step is one all-to-all and one all-gather through megalite.mpu.
 byte counts are the real ones): it counts w (c / 8 + 4 P) bytes, against 4 n for an fp32
 all-reduce's payload (about 32 times fewer while P << c; on the wire, ring collectives, the
 ratio is the same).
+
+The element-wise work is a few passes over memory, in place: x is added into the worker
+error, whose pieces' norms are taken (one segment reduction when the pieces are many);
+signs are compared into bools and packed eight at a time as one int64 times a constant;
+decompressing is one lookup per byte in a [256, 8] table of +-its piece's scale while pieces
+are long (8 KiB per piece), else in one table of +-1 times each element's scale; the error
+keeps x minus that. Work buffers are reused across calls (`scratch`). Up to MANY_PIECES
+pieces the results are bit for bit those of the plain where / repeat_interleave form.
 """
+import bisect
+import functools
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -29,6 +41,9 @@ from megalite.mpu import comm
 
 BITS = 8
 SCALE_BYTES = 4  # one fp32 scale, sent as 4 uint8
+PACK_MULTIPLIER = 0x0102040810204080  # byte j of it: bit 7 - j
+TABLE_MIN_LENGTH = 1 << 15  # mean piece length from which each piece gets its own table
+MANY_PIECES = 4096  # from there on the norms are one segment reduction, not a list of views
 
 
 def chunk_size(n: int, world: int) -> int:
@@ -52,53 +67,120 @@ def piece_lengths(n: int, world: int, sizes: list[int] | None = None) -> list[li
     return out
 
 
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A work buffer [numel] of `dtype` on `device`: the same memory on every call (grown to
+    the largest numel asked), shared by all the compressed all-reduces of the process (they
+    run one at a time). On the host a fresh allocation this large is fresh pages on every
+    call, and their faults cost as much as the compression itself."""
+    key = (device, dtype)
+    if key not in _scratch or _scratch[key].numel() < numel:
+        _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+    return _scratch[key][:numel]
+
+
+def pack_bits_(bits: torch.Tensor) -> torch.Tensor:
+    """[..., 8 k] bool (contiguous) -> [..., k] int64 of 0..255: bit i of value j is
+    bits[8 j + i]. Computed in `bits`' memory, which it overwrites: each 8 bools are read as
+    one little-endian int64 (bool i in bits 8 i) and PACK_MULTIPLIER moves bit 8 i to bit
+    56 + i (its partial products never overlap there)."""
+    words = bits.view(torch.uint8).view(torch.int64)
+    return words.mul_(PACK_MULTIPLIER).bitwise_right_shift_(56).bitwise_and_(0xFF)
+
+
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """[..., 8 k] float -> [..., k] uint8: bit i of byte j is 1 where x[8 j + i] >= 0."""
-    bits = (x >= 0).reshape(*x.shape[:-1], -1, BITS).to(torch.uint8)
-    weights = torch.tensor([1 << i for i in range(BITS)], dtype=torch.uint8, device=x.device)
-    return (bits * weights).sum(-1, dtype=torch.uint8)
+    return pack_bits_((x >= 0).contiguous()).to(torch.uint8)
 
 
-def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
-    """[..., k] uint8 -> [..., 8 k] bool, True for +1 (the inverse of `pack_signs`)."""
-    shifts = torch.arange(BITS, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & 1).bool().reshape(*packed.shape[:-1], -1)
+@functools.cache
+def sign_table(device: torch.device) -> torch.Tensor:
+    """[256, 8] fp32 on `device`: row b is the signs byte b packs, +1.0 for a set bit."""
+    bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(BITS)) & 1
+    return (2.0 * bits - 1.0).to(device)
 
 
 class Pieces:
     """Chunks [r, c] cut into pieces of `rows` lengths (per row; `sizes` flat, `lengths` on the
     device); `slots` [pieces] (long), each piece's place in the rows' [r, P] scales
-    (row-major; P = `per_row`)."""
+    (row-major; P = `per_row`). A payload row: c / 8 bytes of packed signs (`sign_bytes`),
+    then the row's P scales as 4 P bytes.
+
+    Decompressing looks each byte's 8 values up in a table. While the pieces are long (on
+    average TABLE_MIN_LENGTH elements or more: `piece_tables`), each has its [256, 8] table of
+    +-its scale (8 KiB; `byte_counts`: how many bytes each piece's table serves, a byte going
+    to the piece of its first element; the elements of a piece that shares its first byte
+    with an earlier piece, `straddling` [e] in `straddling_pieces` [e], take their own scale
+    after). Short pieces share one table of +-1, times each element's scale."""
 
     def __init__(self, rows: list[list[int]], per_row: int, device: torch.device) -> None:
         self.rows, self.per_row, self.width = len(rows), per_row, sum(rows[0])
+        self.sign_bytes = self.width // BITS
         self.sizes = [n for row in rows for n in row]
         self.lengths = torch.tensor(self.sizes, device=device)
         self.slots = torch.tensor([r * per_row + i for r, row in enumerate(rows)
                                    for i in range(len(row))], device=device)
+        self.piece_tables = len(self.sizes) * TABLE_MIN_LENGTH <= self.rows * self.width
+        ends = list(itertools.accumulate(self.sizes)) if self.piece_tables else []
+        bounds = list(zip([0, *ends[:-1]], ends))
+        first_byte = [-(-start // BITS) for start, _ in bounds]  # the first it starts
+        self.byte_counts = [-(-end // BITS) - byte for byte, (_, end) in zip(first_byte, bounds)]
+        self.table_offsets = [256 * p for p in range(len(bounds))]
+        pairs = [(e, p) for p, (byte, (start, end)) in enumerate(zip(first_byte, bounds))
+                 for e in range(start, min(end, byte * BITS))]
+        self.straddling_list = [e for e, _ in pairs]  # ascending
+        self.straddling = torch.tensor(self.straddling_list, dtype=torch.long, device=device)
+        self.straddling_pieces = torch.tensor([p for _, p in pairs], dtype=torch.long,
+                                              device=device)
 
-    def compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [r, c] -> (their 1-bit approximation [r, c], payload [r, c / 8 + 4 P] uint8:
-        packed signs, then each piece's fp32 scale ||piece|| / sqrt(its length))."""
-        norms = torch.stack(torch._foreach_norm(x.view(-1).split(self.sizes)))  # one launch
-        scales = norms / self.lengths.sqrt()
+    def compress_(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows x [r, c] (contiguous) -> payload [r, c / 8 + 4 P] uint8 (packed signs, then
+        each piece's fp32 scale ||piece|| / sqrt(its length)); x becomes what the 1-bit
+        approximation sign(x) scale lost."""
+        if len(self.sizes) <= MANY_PIECES:
+            norms = torch.stack(torch._foreach_norm(x.view(-1).split(self.sizes)))
+        else:
+            norms = torch.segment_reduce(x.view(-1).square(), "sum", lengths=self.lengths)
+            norms = norms.sqrt()
         table = torch.zeros(self.rows * self.per_row, device=x.device)
-        table[self.slots] = scales
-        approx = torch.where(x >= 0, self.spread(scales), -self.spread(scales))
-        payload = torch.cat([pack_signs(x), table.view(self.rows, -1).view(torch.uint8)], -1)
-        return approx, payload
+        table[self.slots] = norms / self.lengths.sqrt()
+        payload = torch.empty(self.rows, self.sign_bytes + SCALE_BYTES * self.per_row,
+                              dtype=torch.uint8, device=x.device)
+        payload[:, self.sign_bytes:] = table.view(self.rows, -1).view(torch.uint8)
+        bits = scratch(x.numel(), torch.bool, x.device)
+        torch.ge(x.view(-1), 0, out=bits)
+        payload[:, :self.sign_bytes] = pack_bits_(bits.view(self.rows, -1))
+        x.view(-1).sub_(self.decompress(payload))
+        return payload
 
-    def decompress(self, payload: torch.Tensor) -> torch.Tensor:
-        """Payload rows [r, c / 8 + 4 P] uint8 -> their values [r, c] fp32."""
-        signs = unpack_signs(payload[:, :-SCALE_BYTES * self.per_row])
-        table = payload[:, -SCALE_BYTES * self.per_row:].contiguous().view(torch.float32)
-        scales = self.spread(table.reshape(-1)[self.slots])
-        return torch.where(signs, scales, -scales)
-
-    def spread(self, scales: torch.Tensor) -> torch.Tensor:
-        """Per piece [pieces] -> per element [r, c]."""
-        return scales.repeat_interleave(self.lengths, output_size=self.rows * self.width
-                                        ).view(self.rows, self.width)
+    def decompress(self, payload: torch.Tensor, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """Payload rows [r, c / 8 + 4 P] uint8 -> their values sign * scale, flat [r c] fp32:
+        the first out.numel() of them into `out` (contiguous fp32), by default all of them
+        into the fp32 `scratch` (valid until its next use)."""
+        if out is None:
+            out = scratch(self.rows * self.width, torch.float32, payload.device)
+        scales = payload[:, self.sign_bytes:].reshape(-1).clone().view(torch.float32)
+        scales = scales[self.slots]
+        index = scratch(self.rows * self.sign_bytes, torch.int32, payload.device)
+        index.view(self.rows, -1).copy_(payload[:, :self.sign_bytes])
+        tables = sign_table(payload.device)
+        if self.piece_tables:
+            torch._foreach_add_(index.split(self.byte_counts), self.table_offsets)
+            tables = (tables * scales[:, None, None]).view(-1, BITS)
+        whole, rest = divmod(out.numel(), BITS)
+        torch.index_select(tables, 0, index[:whole], out=out[:whole * BITS].view(-1, BITS))
+        if rest:
+            out[whole * BITS:] = tables.index_select(0, index[whole:whole + 1])[0, :rest]
+        if not self.piece_tables:  # +-1 so far
+            return out.mul_(scales.repeat_interleave(
+                self.lengths, output_size=self.rows * self.width)[:out.numel()])
+        fixed = bisect.bisect_left(self.straddling_list, out.numel())
+        elements = self.straddling[:fixed]
+        out[elements] = torch.copysign(scales[self.straddling_pieces[:fixed]], out[elements])
+        return out
 
 
 class CompressedAllReduce:
@@ -133,20 +215,20 @@ class CompressedAllReduce:
     def __call__(self, x: torch.Tensor, group) -> None:
         """Replace x [n] (the same n on every rank of `group`) by the 1-bit average over
         `group`, the same values on every rank; updates both error buffers."""
-        buffer = self.worker_error.clone()
-        buffer[:self.n] += x
-        approx, payload = self.pieces.compress(buffer.view(self.world, self.chunk))
-        self.worker_error.copy_(buffer - approx.view(-1))
+        self.worker_error[:self.n] += x  # the buffer sent, then what its compression lost
+        payload = self.pieces.compress_(self.worker_error.view(self.world, -1))
         splits = [1] * self.world
         received = comm.all_to_all_single(payload, splits, splits, group)
         if self.served is None:  # this rank's chunk: as received from w ranks, then alone
             row = self.lengths[dist.get_rank(group)]
             self.served = (Pieces([row] * self.world, self.per_row, x.device),
                            Pieces([row], self.per_row, x.device))
-        served = self.served[0].decompress(received).mean(0, keepdim=True) + self.server_error
-        approx, payload = self.served[1].compress(served)
-        self.server_error.copy_((served - approx).view(-1))
+        self.server_error += self.served[0].decompress(received).view(self.world, -1).mean(0)
+        payload = self.served[1].compress_(self.server_error.view(1, -1))
         gathered = torch.empty(self.world, payload.shape[-1], dtype=torch.uint8,
                                device=x.device)
         comm.all_gather_into(gathered, payload, group)
-        x.copy_(self.pieces.decompress(gathered).view(-1)[:self.n])
+        direct = x.dtype == torch.float32 and x.is_contiguous()  # else through the scratch
+        values = self.pieces.decompress(gathered, x if direct else None)
+        if not direct:
+            x.copy_(values[:self.n])

@@ -1,0 +1,93 @@
+"""The compressed all-reduce's bit work (megalite.distributed.compressed) against references
+written here element by element, bit for bit on edge values (+0.0 and -0.0 are +1 as x >= 0
+says; infinities, denormals, values around 1):
+
+- pack_signs: bit i of byte j is x[8 j + i] >= 0;
+- Pieces.decompress: each element is +scale of its piece where its bit is set, else -scale,
+  with pieces that start and end inside a byte, into the scratch and into a shorter `out`,
+  through a table per piece (long pieces) and through one table times each element's scale;
+  the norms through a list of views and through one segment reduction (many pieces);
+- Pieces.compress_: the packed signs and ||piece|| / sqrt(piece size) per piece in the
+  payload, and x left as x - sign(x) scale.
+
+The single-process pieces only; the collectives are test_onebit.py's.
+"""
+import pytest
+import torch
+
+from megalite.distributed import compressed
+from megalite.distributed.compressed import BITS, Pieces, pack_signs
+
+EDGES = [0.0, -0.0, float("inf"), -float("inf"), 1e-45, -1e-45, 1.0, -1.0, 3e38, -3e38]
+ROWS = [[5, 20, 3, 12], [17, 23], [1, 1, 38]]  # 3 chunks of 40: pieces cut inside bytes
+
+
+def values(n: int, seed: int) -> torch.Tensor:
+    """[n] fp32: normal values with the edge values scattered in."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=generator)
+    edges = torch.tensor(EDGES)
+    where = torch.randperm(n, generator=generator)[:n // 4]
+    x[where] = edges[torch.arange(len(where)) % len(edges)]
+    return x
+
+
+def reference_pack(x: torch.Tensor) -> torch.Tensor:
+    """[..., 8 k] -> [..., k] uint8, byte by byte from Python ints."""
+    signs = (x >= 0).reshape(-1, BITS).tolist()
+    packed = [sum(int(bit) << i for i, bit in enumerate(byte)) for byte in signs]
+    return torch.tensor(packed, dtype=torch.uint8).view(*x.shape[:-1], -1)
+
+
+def element_scales(rows: list[list[int]], scales: list[float]) -> torch.Tensor:
+    """Per element of the flat rows, its piece's scale."""
+    sizes = [n for row in rows for n in row]
+    return torch.tensor([s for s, n in zip(scales, sizes) for _ in range(n)])
+
+
+def test_pack_signs_matches_the_bytes_of_python_ints():
+    x = values(3 * 64, seed=0).view(3, 64)
+    packed = pack_signs(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 8)
+    assert torch.equal(packed, reference_pack(x))
+    assert pack_signs(torch.tensor([-0.0] * 8)).item() == 255  # -0.0 >= 0: +1
+
+
+@pytest.mark.parametrize("table_min_length,many_pieces",
+                         ((1, 4096), (10 ** 9, 4096), (10 ** 9, 1)))
+def test_decompress_and_compress_match_the_elementwise_reference(table_min_length, many_pieces,
+                                                                 monkeypatch):
+    """A table per piece or one shared; norms by a list of views or a segment reduction."""
+    monkeypatch.setattr(compressed, "TABLE_MIN_LENGTH", table_min_length)
+    monkeypatch.setattr(compressed, "MANY_PIECES", many_pieces)
+    pieces = Pieces(ROWS, per_row=4, device=torch.device("cpu"))
+    assert pieces.piece_tables == (table_min_length == 1)
+    width, count = sum(ROWS[0]), sum(len(row) for row in ROWS)
+    x = values(len(ROWS) * width, seed=1)
+    x[5:25] = 0.0  # a piece of zeros: scale 0, sent as +-0.0
+    x[6] = -0.0
+    rows = x.clone().view(len(ROWS), width)
+    payload = pieces.compress_(rows)
+
+    sizes = [n for row in ROWS for n in row]
+    sign_bytes = width // BITS
+    assert torch.equal(payload[:, :sign_bytes], reference_pack(x.view(len(ROWS), width)))
+    sent = payload[:, sign_bytes:].contiguous().view(torch.float32)
+    sent = [v for r, row in enumerate(ROWS) for v in sent[r, :len(row)].tolist()]
+    checked = [(got, piece) for got, piece in zip(sent, x.split(sizes))
+               if piece.abs().max() < 1e10]  # the fp32 sum of squares does not overflow
+    assert len(checked) >= 3
+    for got, piece in checked:
+        ref = piece.double().norm().item() / len(piece) ** 0.5
+        assert abs(got - ref) <= 1e-6 * ref, (got, ref)
+
+    # decompressing the payload: +-its own scales, bit for bit; then x - that is the error
+    want = torch.where(x >= 0, 1.0, -1.0) * element_scales(ROWS, sent)
+    assert len(sent) == count
+    got = pieces.decompress(payload)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(rows.view(-1).view(torch.int32), (x - want).view(torch.int32))
+    for numel in (len(want) - 3, 8 * 9 + 5):  # a shorter out: whole bytes and a tail
+        out = torch.full((numel,), 7.0)
+        pieces.decompress(payload, out)
+        assert torch.equal(out.view(torch.int32), want[:numel].view(torch.int32))
