@@ -510,14 +510,24 @@ def _zero_one_layout() -> dict:
         params = torch.cat([p.detach().view(-1) for chunk in model for p in chunk.parameters()])
         dp_gaps[step] = float((comm.all_gather_stacked(params, group) - params).abs().max())
     tp_gap, replicated = _tp_gap(model)
+    # a local step (7) with a NaN grad on DP rank 1 alone: skipped on every rank, params kept
+    _backward(model, optimizer, rows.split(4)[dp_rank])
+    if dp_rank == 1:
+        next(model[0].parameters()).main_grad.view(-1)[0] = float("nan")
+    params = torch.cat([p.detach().view(-1) for chunk in model for p in chunk.parameters()])
+    stepped = optimizer.step()[0]
+    kept = torch.equal(params, torch.cat([p.detach().view(-1) for chunk in model
+                                          for p in chunk.parameters()]))
     return {"grad_err": grad_err, "update_err": update_err, "dp_gaps": dp_gaps,
-            "tp_gap": tp_gap, "replicated": replicated, "buckets": len(refs)}
+            "tp_gap": tp_gap, "replicated": replicated, "buckets": len(refs),
+            "nan_step_skipped": not stepped and kept}
 
 
 def test_zero_one_adam_at_tp2_pp2_dp2():
     """Variance steps, 1-bit averaged grads, local steps and 1-bit synchronisations == the
     reference (fp32, printed); the params differ over DP after a local step and are bitwise equal
-    after a synchronisation; the TP-replicated params bitwise equal over TP."""
+    after a synchronisation; the TP-replicated params bitwise equal over TP; a NaN grad on one
+    DP rank in a local step skips the step on every rank."""
     for rank, r in enumerate(run_on_ranks(8, _zero_one_layout)):
         print(rank, r)
         # relative to one step's update (~5e-3 on weights ~1 at step 1: fp32's last bit of
@@ -525,6 +535,7 @@ def test_zero_one_adam_at_tp2_pp2_dp2():
         assert r["grad_err"] <= 1e-5 and r["update_err"] <= 1e-4, (rank, r)
         assert r["dp_gaps"][5] > 0 and r["dp_gaps"][4] == r["dp_gaps"][6] == 0.0, (rank, r)
         assert r["tp_gap"] == 0.0 and r["replicated"] >= 6 and r["buckets"] >= 2, (rank, r)
+        assert r["nan_step_skipped"], (rank, r)  # agreed over DP (grads_differ_over_dp)
 
 
 ONEBIT = ["--optimizer", "onebit_adam", "--freeze-step", "2", "--clip-grad", "0"]
