@@ -11,7 +11,9 @@ An optimizer this build does not know is skipped with one line. Muon runs with
 --muon-scale-mode spectral --muon-extra-scale-factor 0.2 (its update's RMS matched to AdamW's,
 so it shares AdamW's learning rate: Moonshot's recipe); the 1-bit optimizers freeze after
 --freeze-share of the run (DeepSpeed's 15 %; zero_one_adam's variance there, its interval
-between synchronisations doubling every fifth of that up to 16). --plot writes the validation curves (matplotlib).
+between synchronisations doubling every fifth of that up to 16), with a scale per
+--onebit-block-size elements; every optimizer with --adam-eps. --plot writes the validation
+curves (matplotlib).
 Asserts nothing.
 """
 import contextlib
@@ -22,13 +24,16 @@ import tempfile
 from common import benchmark_parser, machine_line, plot_curves
 
 VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([0-9.E+-]+)")
-OWN_FLAGS = {"muon": lambda freeze: ["--muon-scale-mode", "spectral",
-                                     "--muon-extra-scale-factor", "0.2"],
-             "onebit_adam": lambda freeze: ["--freeze-step", str(freeze)],
-             "onebit_lamb": lambda freeze: ["--freeze-step", str(freeze)],
+OWN_FLAGS = {"muon": lambda freeze, block: ["--muon-scale-mode", "spectral",
+                                            "--muon-extra-scale-factor", "0.2"],
+             "onebit_adam": lambda freeze, block: ["--freeze-step", str(freeze),
+                                                   "--onebit-block-size", str(block)],
+             "onebit_lamb": lambda freeze, block: ["--freeze-step", str(freeze),
+                                                   "--onebit-block-size", str(block)],
              # DeepSpeed's --local-step-scaler (32678) is for runs of 10^5 steps and more
-             "zero_one_adam": lambda freeze: ["--var-freeze-step", str(freeze),
-                                              "--local-step-scaler", str(max(1, freeze // 5))]}
+             "zero_one_adam": lambda freeze, block: [
+                 "--var-freeze-step", str(freeze), "--local-step-scaler",
+                 str(max(1, freeze // 5)), "--onebit-block-size", str(block)]}
 
 
 def train_counted(argv: list[str]) -> dict:
@@ -59,9 +64,14 @@ def main() -> None:
                               micro_batch_size=4, seed=1234)
     parser.add_argument("--train-iters", type=int, default=600)
     parser.add_argument("--lr", type=float, default=1e-3)
-    # zero_one_adam diverges here for now (docs/optimizers.md): ask for it by name
-    parser.add_argument("--optimizers", default="adam,onebit_adam,onebit_lamb,muon")
+    parser.add_argument("--optimizers",
+                        default="adam,onebit_adam,zero_one_adam,onebit_lamb,muon")
     parser.add_argument("--freeze-share", type=float, default=0.15)
+    # every optimizer: with 1e-8, 1-bit values divided by the sqrt(v) of rare tokens' rows
+    # (about 1e-5) blow up (docs/optimizers.md)
+    parser.add_argument("--adam-eps", type=float, default=1e-5)
+    parser.add_argument("--onebit-block-size", type=int, default=32,
+                        help="the 1-bit family's elements per scale (0: DeepSpeed's per tensor)")
     parser.add_argument("--plot", default="docs/optimizer_curves.png")
     args = parser.parse_args()
     print(machine_line())
@@ -87,17 +97,19 @@ def main() -> None:
                 "--eval-interval", str(max(1, args.train_iters // 12)), "--eval-iters", "8",
                 "--hidden-dropout", "0", "--attention-dropout", "0",
                 "--clip-grad", "0",  # every run alike: the 1-bit family has no global grad norm
-                "--data-cache-dir", f"{root}/cache"]
+                "--adam-eps", str(args.adam_eps), "--data-cache-dir", f"{root}/cache"]
         for name in names:
             flags = base + ["--optimizer", name, "--save", f"{root}/{name}",
-                            *OWN_FLAGS.get(name, lambda f: [])(freeze)]
+                            *OWN_FLAGS.get(name, lambda f, b: [])(freeze,
+                                                                  args.onebit_block_size)]
             runs[name] = pool.run(train_counted, flags)[0]
             print(f"{name}: final validation loss {runs[name]['validations'][-1][1]:.4f}",
                   flush=True)
     pool.close()
     print(f"{args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, global "
           f"batch {args.micro_batch_size * args.ranks}, DP {args.ranks}, {args.train_iters} "
-          f"steps, lr {args.lr} (cosine to lr/10):")
+          f"steps, lr {args.lr} (cosine to lr/10), adam eps {args.adam_eps}, 1-bit freeze "
+          f"{freeze}, block {args.onebit_block_size}:")
     print("| optimizer | final validation loss | vs adam | DP bytes per rank (MiB) | bytes vs adam "
           "| first validation at or below adam's final |")
     print("|---|---|---|---|---|---|")

@@ -39,13 +39,17 @@ def inputs(step: int, rank: int) -> torch.Tensor:
                                 device="cpu")
 
 
-def tensor_ids(n: int, c: int, w: int, sizes) -> torch.Tensor:
+def tensor_ids(n: int, c: int, w: int, sizes, block: int = 0) -> torch.Tensor:
     """[w c]: which tensor of `sizes` (concatenated; n - sum(sizes) more elements one more
-    tensor) each element of the padded flat belongs to, -1 for the padding past n."""
-    sizes = [*sizes, n - sum(sizes)]
+    tensor) each element of the padded flat belongs to, and with `block` which block of
+    `block` elements from that tensor's start (id = tensor n + block), -1 for the padding."""
+    sizes = torch.tensor([*sizes, n - sum(sizes)], device="cpu")
+    tensor = torch.repeat_interleave(torch.arange(len(sizes), device="cpu"), sizes)
     ids = torch.full((w * c,), -1, device="cpu")
-    ids[:n] = torch.repeat_interleave(torch.arange(len(sizes), device="cpu"),
-                                      torch.tensor(sizes, device="cpu"))
+    ids[:n] = tensor
+    if block:
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)[:-1]])
+        ids[:n] = tensor * n + (torch.arange(n, device="cpu") - starts[tensor]) // block
     return ids
 
 
@@ -61,12 +65,12 @@ def reference_compress(chunk: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def reference_allreduce(xs: list[torch.Tensor], worker: list[torch.Tensor],
-                        server: list[torch.Tensor], sizes) -> torch.Tensor:
+                        server: list[torch.Tensor], sizes, block: int = 0) -> torch.Tensor:
     """One step of the compressed average of xs (one per rank; the tensors of `sizes`
-    concatenated); updates the error lists."""
+    concatenated, a scale per `block` elements of each); updates the error lists."""
     w, n = len(xs), xs[0].numel()
     c = math.ceil(n / (8 * w)) * 8
-    ids = tensor_ids(n, c, w, sizes).to(xs[0].device).view(w, c)
+    ids = tensor_ids(n, c, w, sizes, block).to(xs[0].device).view(w, c)
     sent = []
     for r, x in enumerate(xs):
         padded = torch.zeros(w * c, device=x.device)
@@ -85,12 +89,12 @@ def reference_allreduce(xs: list[torch.Tensor], worker: list[torch.Tensor],
     return torch.cat(out)[:n]
 
 
-def _compressed_steps() -> dict:
+def _compressed_steps(block: int) -> dict:
     from megalite.device import current_device
     from megalite.distributed.compressed import CompressedAllReduce, pack_signs
     from megalite.mpu import comm
     rank, world, device = dist.get_rank(), dist.get_world_size(), current_device()
-    reducer = CompressedAllReduce(N, world, device=device, sizes=list(SIZES))
+    reducer = CompressedAllReduce(N, world, device=device, sizes=list(SIZES), block=block)
     outputs, counted = [], []
     for step in range(STEPS):
         x = inputs(step, rank).to(device)
@@ -103,14 +107,15 @@ def _compressed_steps() -> dict:
             "packed": (packed.dtype, packed.numel())}
 
 
-@pytest.mark.parametrize("world", (2, 4, 8))
-def test_compressed_allreduce_equals_the_reference(world):
-    results = run_on_ranks(world, _compressed_steps)
+# a scale per tensor's piece of a chunk (DeepSpeed's), or per block of 64 / 100 elements
+@pytest.mark.parametrize("world,block", ((2, 0), (4, 64), (8, 100)))
+def test_compressed_allreduce_equals_the_reference(world, block):
+    results = run_on_ranks(world, _compressed_steps, block)
     c = math.ceil(N / (8 * world)) * 8
     worker, server = [torch.zeros(world * c)] * world, [torch.zeros(c)] * world
     for step in range(STEPS):
         want = reference_allreduce([inputs(step, r) for r in range(world)], worker, server,
-                                   SIZES)
+                                   SIZES, block)
         for rank, result in enumerate(results):
             # per tensor, relative to its largest value (the tensors' scales differ 10^4-fold)
             for lo, hi in zip((0, *torch.tensor(SIZES).cumsum(0).tolist()),
@@ -118,14 +123,15 @@ def test_compressed_allreduce_equals_the_reference(world):
                 got, ref = result["outputs"][step][lo:hi], want[lo:hi]
                 err = (got - ref).abs().max() / ref.abs().max()
                 assert err <= 1e-6, (world, step, rank, lo, err.item())
-    pieces = max(len(ids.unique()) for ids in tensor_ids(N, c, world, SIZES).view(world, c))
+    pieces = max(len(ids.unique()) for ids in tensor_ids(N, c, world, SIZES, block
+                                                           ).view(world, c))
     for result in results:
         assert result["packed"] == (torch.uint8, 8)
         # the comm accounting's figure: (w - 1) payloads all-to-all + one all-gathered, each
         # the packed signs and a 4-byte scale per piece (the most pieces in one chunk)
         assert result["counted"] == [result["bytes_sent"]] * STEPS == [
             world * (c // 8 + 4 * pieces)] * STEPS
-        assert 4 * N / result["bytes_sent"] > 20  # vs an fp32 all-reduce's payload
+        assert 4 * N / result["bytes_sent"] > (20 if block == 0 else 8)  # vs fp32's payload
 
 
 LR, WD, BETAS, EPS, FREEZE, TRAIN_STEPS = 1e-2, 0.1, (0.9, 0.95), 1e-8, 2, 4
@@ -510,14 +516,24 @@ def _zero_one_layout() -> dict:
         params = torch.cat([p.detach().view(-1) for chunk in model for p in chunk.parameters()])
         dp_gaps[step] = float((comm.all_gather_stacked(params, group) - params).abs().max())
     tp_gap, replicated = _tp_gap(model)
+    # a local step (7) with a NaN grad on DP rank 1 alone: skipped on every rank, params kept
+    _backward(model, optimizer, rows.split(4)[dp_rank])
+    if dp_rank == 1:
+        next(model[0].parameters()).main_grad.view(-1)[0] = float("nan")
+    params = torch.cat([p.detach().view(-1) for chunk in model for p in chunk.parameters()])
+    stepped = optimizer.step()[0]
+    kept = torch.equal(params, torch.cat([p.detach().view(-1) for chunk in model
+                                          for p in chunk.parameters()]))
     return {"grad_err": grad_err, "update_err": update_err, "dp_gaps": dp_gaps,
-            "tp_gap": tp_gap, "replicated": replicated, "buckets": len(refs)}
+            "tp_gap": tp_gap, "replicated": replicated, "buckets": len(refs),
+            "nan_step_skipped": not stepped and kept}
 
 
 def test_zero_one_adam_at_tp2_pp2_dp2():
     """Variance steps, 1-bit averaged grads, local steps and 1-bit synchronisations == the
     reference (fp32, printed); the params differ over DP after a local step and are bitwise equal
-    after a synchronisation; the TP-replicated params bitwise equal over TP."""
+    after a synchronisation; the TP-replicated params bitwise equal over TP; a NaN grad on one
+    DP rank in a local step skips the step on every rank."""
     for rank, r in enumerate(run_on_ranks(8, _zero_one_layout)):
         print(rank, r)
         # relative to one step's update (~5e-3 on weights ~1 at step 1: fp32's last bit of
@@ -525,6 +541,7 @@ def test_zero_one_adam_at_tp2_pp2_dp2():
         assert r["grad_err"] <= 1e-5 and r["update_err"] <= 1e-4, (rank, r)
         assert r["dp_gaps"][5] > 0 and r["dp_gaps"][4] == r["dp_gaps"][6] == 0.0, (rank, r)
         assert r["tp_gap"] == 0.0 and r["replicated"] >= 6 and r["buckets"] >= 2, (rank, r)
+        assert r["nan_step_skipped"], (rank, r)  # agreed over DP (grads_differ_over_dp)
 
 
 ONEBIT = ["--optimizer", "onebit_adam", "--freeze-step", "2", "--clip-grad", "0"]
@@ -621,3 +638,19 @@ def test_the_planner_counts_the_reducers_state():
     got = state_bytes_per_param("fp32", "no_shard", 4,  # m, v, anchor; worker + server error
                                 optimizer=OptimizerConfig(optimizer="zero_one_adam"))
     assert got.total == 4 + 4 + 12 + 4 + 4 / 4
+
+
+@pytest.mark.parametrize("name", ("onebit_adam", "zero_one_adam"))
+def test_the_block_size_reaches_the_reducers_bytes(name):
+    """--onebit-block-size 16 on one 40-element tensor at DP 2 (chunks of 24): chunk 0 is cut
+    at 16, chunk 1 at 32 and at 40 (the padding's piece): the most pieces in one chunk, P,
+    goes from 2 to 3; w (c / 8 + 4 P) bytes."""
+    from megalite.config import OptimizerConfig
+    from megalite.optimizer.kinds import optimizer_kind
+    counted = {}
+    for block in (0, 16):
+        config = OptimizerConfig(optimizer=name, onebit_block_size=block)
+        reducer = optimizer_kind(name).make_reducer(config)(False)
+        reducer.set_tensor_sizes([40])
+        counted[block] = min(b for b in reducer.stage_bytes(40, 2).values() if b)  # 1-bit
+    assert counted == {0: 2 * (24 // 8 + 4 * 2), 16: 2 * (24 // 8 + 4 * 3)}

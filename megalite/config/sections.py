@@ -103,6 +103,10 @@ class OptimizerConfig(Section):
                            "the variance freezes and the momentum travels 1-bit compressed "
                            "(DeepSpeed's name; its papers warm up for 15 to 25 percent of the "
                            "run)", min=1)
+    onebit_block_size: int = arg(0, "onebit_adam, onebit_lamb, zero_one_adam: elements per "
+                                 "1-bit scale, counted from each tensor's start (0: one scale "
+                                 "per tensor's piece of a chunk, as DeepSpeed; 4 bytes more "
+                                 "per block)", min=0)
     max_coeff: float = arg(10.0, "onebit_lamb: upper clamp of LAMB's trust ratio", above=0.0)
     min_coeff: float = arg(0.01, "onebit_lamb: lower clamp of LAMB's trust ratio", above=0.0)
     coeff_beta: float = arg(0.9, "onebit_lamb: EMA factor of the warm-up trust ratios, frozen "

@@ -5,9 +5,10 @@ params), is averaged over a group of w ranks, 1 bit per element each way:
 
 1. worker: x + worker error, zero-padded to w chunks of c elements (c a multiple of 8); the
    tensor boundaries and the chunk boundaries cut it into pieces (a piece: one tensor's
-   elements within one chunk; the padding is a piece of its own). Each chunk becomes sign bits
-   (x >= 0 -> +1, else -1; packed 8 per byte) and one scale ||piece|| / sqrt(piece size) per
-   piece; the worker error keeps what the compression lost.
+   elements within one chunk; the padding is a piece of its own), and with a `block` size
+   every `block` elements from each tensor's start (`--onebit-block-size`). Each chunk
+   becomes sign bits (x >= 0 -> +1, else -1; packed 8 per byte) and one scale
+   ||piece|| / sqrt(piece size) per piece; the worker error keeps what the compression lost.
 2. all-to-all: chunk k of every rank goes to group rank k, which "serves" it.
 3. server: the mean of the w decompressed chunks + server error [c], compressed again (signs
    and a scale per piece); the server error keeps what that lost.
@@ -15,12 +16,14 @@ params), is averaged over a group of w ranks, 1 bit per element each way:
 
 A scale per piece, not per chunk: a chunk spanning a large-grad and a small-grad tensor would
 give the small one the large one's scale (DeepSpeed compresses tensor by tensor, one scale
-per tensor at the worker and per server chunk). Each payload is the packed signs followed by
-P scales (P: the most pieces in one chunk; 4 bytes each, zero for a chunk's missing ones; one
-uint8 row), so a step is one all-to-all and one all-gather through megalite.mpu.comm (whose
-byte counts are the real ones): it counts w (c / 8 + 4 P) bytes, against 4 n for an fp32
-all-reduce's payload (about 32 times fewer while P << c; on the wire, ring collectives, the
-ratio is the same).
+per tensor at the worker and per server chunk). Smaller pieces (blocks) follow the
+magnitudes more closely (an embedding's rare-token rows, a bias whose grad is rounding noise
+beside its neighbours') for 4 more bytes per block. Each payload is the packed signs
+followed by P scales (P: the most pieces in one chunk; 4 bytes each, zero for a chunk's
+missing ones; one uint8 row), so a step is one all-to-all and one all-gather through
+megalite.mpu.comm (whose byte counts are the real ones): it counts w (c / 8 + 4 P) bytes,
+against 4 n for an fp32 all-reduce's payload (about 32 times fewer while P << c; on the
+wire, ring collectives, the ratio is the same).
 
 The element-wise work is a few passes over memory, in place: x is added into the worker
 error, whose pieces' norms are taken (one segment reduction when the pieces are many);
@@ -51,15 +54,19 @@ def chunk_size(n: int, world: int) -> int:
     return -(-n // (world * BITS)) * BITS
 
 
-def piece_lengths(n: int, world: int, sizes: list[int] | None = None) -> list[list[int]]:
+def piece_lengths(n: int, world: int, sizes: list[int] | None = None, block: int = 0
+                  ) -> list[list[int]]:
     """Per chunk, the lengths of its pieces in order: [n] (the concatenation of tensors of
     `sizes` elements, default one tensor; a shortfall below n is one more), zero-padded to
-    `world` chunks of `chunk_size(n, world)`, cut at every tensor and chunk boundary."""
+    `world` chunks of `chunk_size(n, world)`, cut at every tensor and chunk boundary and,
+    with `block` > 0, every `block` elements from each tensor's start."""
     c, sizes = chunk_size(n, world), list(sizes or [n])
     if sum(sizes) > n:
         raise ValueError(f"tensor sizes sum to {sum(sizes)}, above the {n} elements")
-    cuts = {k * c for k in range(world + 1)} | {n} | set(torch.tensor(
-        [0, *sizes]).cumsum(0).tolist())
+    starts = torch.tensor([0, *sizes, n - sum(sizes)]).cumsum(0).tolist()
+    cuts = {k * c for k in range(world + 1)} | set(starts)
+    for start, end in zip(starts, starts[1:]) if block else ():
+        cuts.update(range(start, end, block))
     cuts = sorted(cuts)
     out: list[list[int]] = [[] for _ in range(world)]
     for start, end in zip(cuts, cuts[1:]):
@@ -189,26 +196,27 @@ class CompressedAllReduce:
     `server_error` [c] for the chunk this rank serves (group rank k serves chunk k)."""
 
     def __init__(self, n: int, world: int, device: torch.device,
-                 sizes: list[int] | None = None) -> None:
+                 sizes: list[int] | None = None, block: int = 0) -> None:
         self.n, self.world, self.chunk = n, world, chunk_size(n, world)
-        self.sizes = sizes
+        self.sizes, self.block = sizes, block
         self.worker_error = torch.zeros(world * self.chunk, device=device)
         self.server_error = torch.zeros(self.chunk, device=device)
-        self.lengths = piece_lengths(n, world, sizes)
+        self.lengths = piece_lengths(n, world, sizes, block)
         self.per_row = max(len(row) for row in self.lengths)
         self.pieces = Pieces(self.lengths, self.per_row, device)
         self.served: tuple[Pieces, Pieces] | None = None  # built on the first call
 
     def bytes_sent(self) -> int:
         """Payload bytes per call as megalite.mpu.comm counts them (`payload_bytes`)."""
-        return self.payload_bytes(self.n, self.world, self.sizes)
+        return self.payload_bytes(self.n, self.world, self.sizes, self.block)
 
     @staticmethod
-    def payload_bytes(n: int, world: int, sizes: list[int] | None = None) -> int:
-        """Bytes megalite.mpu.comm counts for one call on n elements (tensors of `sizes`) over
-        `world` ranks (an fp32 all-reduce: 4 n): w - 1 payloads all-to-all and one
-        all-gathered, w (c / 8 + 4 P)."""
-        per_row = max(len(row) for row in piece_lengths(n, world, sizes))
+    def payload_bytes(n: int, world: int, sizes: list[int] | None = None, block: int = 0
+                      ) -> int:
+        """Bytes megalite.mpu.comm counts for one call on n elements (tensors of `sizes`, cut
+        in blocks of `block`) over `world` ranks (an fp32 all-reduce: 4 n): w - 1 payloads
+        all-to-all and one all-gathered, w (c / 8 + 4 P)."""
+        per_row = max(len(row) for row in piece_lengths(n, world, sizes, block))
         return world * (chunk_size(n, world) // BITS + SCALE_BYTES * per_row)
 
     @torch.no_grad()

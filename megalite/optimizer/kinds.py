@@ -65,6 +65,9 @@ class OptimizerKind:
     # the reducer's result depends on the whole bucket (its 1-bit chunks): replicated params
     # (over TP; the tied embedding) get buckets of their own, so that their copies stay equal
     replicas_apart: bool = False
+    # DP ranks may step different grads (0/1 Adam's local steps): a non-finite grad norm on
+    # one of them must skip the step on all of them (MixedPrecisionOptimizer.grad_stats)
+    grads_differ_over_dp: bool = False
 
     def make_reducer(self, config) -> ReducerFactory:
         """The DP buckets' ReducerFactory under `config`: `reducer`, given its settings."""
@@ -154,6 +157,7 @@ ZERO_ONE_ADAM = OptimizerKind("zero_one_adam", build_zero_one_adam,
                               scalar_keys=("step", "lr_sum"), attach=ZeroOneAdam.attach,
                               reducer=ZeroOneReducer, reducer_settings=zero_one_reducer_settings,
                               check_run=check_zero_one_run, replicas_apart=True,
+                              grads_differ_over_dp=True,
                               reducer_bytes=lambda n: FP32_BYTES * (1 + 1 / n))
 OPTIMIZER_KINDS = (ADAM, SGD, MUON, ONEBIT_ADAM, ONEBIT_LAMB, ZERO_ONE_ADAM)
 

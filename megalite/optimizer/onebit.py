@@ -33,8 +33,8 @@ class MomentumReducer(GradReducer):
     After it the bucket's flat grads hold, in every element, the mean grads (warm-up) or the
     1-bit averaged momentum (compressed stage)."""
 
-    def __init__(self, sharded: bool, beta1: float, freeze_step: int) -> None:
-        self.beta1, self.freeze_step = beta1, freeze_step
+    def __init__(self, sharded: bool, beta1: float, freeze_step: int, block: int = 0) -> None:
+        self.beta1, self.freeze_step, self.block = beta1, freeze_step, block
         self.steps = 0
         self.momentum: torch.Tensor | None = None
         self.compressor: CompressedAllReduce | None = None
@@ -52,7 +52,8 @@ class MomentumReducer(GradReducer):
 
     def stage_bytes(self, n: int, world: int) -> dict[str, int]:
         return {"warm-up": 4 * n,
-                "compressed": CompressedAllReduce.payload_bytes(n, world, self.sizes)}
+                "compressed": CompressedAllReduce.payload_bytes(n, world, self.sizes,
+                                                                self.block)}
 
     def start(self, flat: torch.Tensor, group) -> None:
         world = comm.world_size(group)
@@ -60,7 +61,7 @@ class MomentumReducer(GradReducer):
             self.momentum = torch.zeros_like(flat)
         if self.compressor is None:
             self.compressor = CompressedAllReduce(flat.numel(), world, flat.device,
-                                                  self.sizes)
+                                                  self.sizes, self.block)
         if not self.compressing():
             comm.all_reduce(flat, group)
             self.momentum.lerp_(flat, 1 - self.beta1)
@@ -90,7 +91,7 @@ class MomentumReducer(GradReducer):
         self.compressor = None
         if "worker_error" in state:
             self.compressor = CompressedAllReduce(self.momentum.numel(), comm.world_size(group),
-                                                  self.momentum.device, self.sizes)
+                                                  self.momentum.device, self.sizes, self.block)
             self.compressor.worker_error.copy_(state["worker_error"])
             self.compressor.server_error.copy_(state["server_error"])
 
@@ -140,7 +141,8 @@ def build_onebit_adam(groups: list[dict], config) -> torch.optim.Optimizer:
 
 def momentum_reducer_settings(config) -> dict:
     """MomentumReducer's keywords from an OptimizerConfig."""
-    return {"beta1": config.adam_beta1, "freeze_step": config.freeze_step}
+    return {"beta1": config.adam_beta1, "freeze_step": config.freeze_step,
+            "block": config.onebit_block_size}
 
 
 def check_onebit_run(configs, data_parallel_size: int) -> None:

@@ -19,7 +19,8 @@ from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.device import current_device
 from megalite.mpu import parallel_state
 from megalite.optimizer.grad_scaler import build_grad_scaler
-from megalite.optimizer.grad_stats import counts_toward_norm, found_inf_anywhere, global_grad_norm
+from megalite.optimizer.grad_stats import (counts_toward_norm, found_inf_anywhere, global_grad_norm,
+                                           nonfinite_anywhere)
 from megalite.optimizer.kinds import OptimizerKind, optimizer_kind
 from megalite.optimizer.nvme_tier import NvmeTier
 from megalite.config.sharding import sharding_strategy
@@ -208,6 +209,9 @@ class MixedPrecisionOptimizer:
             [f.grad for f, e in zip(counted, expert) if not e],
             self._stats_groups(within_stage), current_device(),
             [f.grad for f, e in zip(counted, expert) if e], self._expert_stats_groups())
+        if self.kind.grads_differ_over_dp:  # one rank's non-finite norm skips every rank
+            self._grad_norm = nonfinite_anywhere(
+                self._grad_norm, parallel_state.get_data_parallel_group(with_context_parallel=True))
         return torch.cat([self._grad_norm.reshape(1), found_inf])
 
     @torch.no_grad()

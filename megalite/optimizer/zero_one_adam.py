@@ -65,8 +65,8 @@ class ZeroOneReducer(GradReducer):
     rank's checkpoint state file keeps them)."""
 
     def __init__(self, sharded: bool, freeze: int, var_scaler: int, local_scaler: int,
-                 local_clipper: int) -> None:
-        self.freeze, self.var_scaler = freeze, var_scaler
+                 local_clipper: int, block: int = 0) -> None:
+        self.freeze, self.var_scaler, self.block = freeze, var_scaler, block
         self.local_scaler, self.local_clipper = local_scaler, local_clipper
         self.steps = 0
         self.compressor: CompressedAllReduce | None = None
@@ -84,13 +84,13 @@ class ZeroOneReducer(GradReducer):
                                     self.local_clipper) else "local"
 
     def stage_bytes(self, n: int, world: int) -> dict[str, int]:
-        return {"fp32": 4 * n, "1-bit": CompressedAllReduce.payload_bytes(n, world, self.sizes),
-                "local": 0}
+        return {"fp32": 4 * n, "local": 0,
+                "1-bit": CompressedAllReduce.payload_bytes(n, world, self.sizes, self.block)}
 
     def _compress(self, flat: torch.Tensor, group) -> None:
         if self.compressor is None:
             self.compressor = CompressedAllReduce(flat.numel(), comm.world_size(group),
-                                                  flat.device, self.sizes)
+                                                  flat.device, self.sizes, self.block)
         self.compressor(flat, group)
 
     def start(self, flat: torch.Tensor, group) -> None:
@@ -129,7 +129,8 @@ class ZeroOneReducer(GradReducer):
         self.steps, self.compressor = state["steps"], None
         if "worker_error" in state:
             self.compressor = CompressedAllReduce(state["elements"], comm.world_size(group),
-                                                  state["worker_error"].device, self.sizes)
+                                                  state["worker_error"].device, self.sizes,
+                                                  self.block)
             self.compressor.worker_error.copy_(state["worker_error"])
             self.compressor.server_error.copy_(state["server_error"])
         if "local" in state and self.local is not None:
@@ -258,7 +259,8 @@ def build_zero_one_adam(groups: list[dict], config) -> torch.optim.Optimizer:
 def zero_one_reducer_settings(config) -> dict:
     """ZeroOneReducer's keywords from an OptimizerConfig."""
     return {"freeze": config.var_freeze_step, "var_scaler": config.var_update_scaler,
-            "local_scaler": config.local_step_scaler, "local_clipper": config.local_step_clipper}
+            "local_scaler": config.local_step_scaler, "local_clipper": config.local_step_clipper,
+            "block": config.onebit_block_size}
 
 
 def check_zero_one_run(configs, data_parallel_size: int) -> None:
