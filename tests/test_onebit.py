@@ -48,7 +48,7 @@ def tensor_ids(n: int, c: int, w: int, sizes, block: int = 0) -> torch.Tensor:
     ids = torch.full((w * c,), -1, device="cpu")
     ids[:n] = tensor
     if block:
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)[:-1]])
+        starts = torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), sizes.cumsum(0)[:-1]])
         ids[:n] = tensor * n + (torch.arange(n, device="cpu") - starts[tensor]) // block
     return ids
 

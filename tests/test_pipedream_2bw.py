@@ -234,7 +234,8 @@ def _unaligned_curve(tp: int = 1, pp: int = 4) -> dict:
     setup_parallel(configs, layout)
     from megalite.mpu import parallel_state as ps
     stage_of = [int(s) for s in comm.all_gather_stacked(
-        torch.tensor([ps.get_pipeline_model_parallel_rank()]), torch.distributed.group.WORLD)]
+        torch.tensor([ps.get_pipeline_model_parallel_rank()], device=current_device()),
+        torch.distributed.group.WORLD)]
     model = build_model(configs, functools.partial(provider, configs))
     opt, _ = get_optimizer(configs.optimizer, configs.precision, model, STEPS)
     in_flight = InFlight(WeightVersions(model, opt))
