@@ -74,6 +74,18 @@ def forward_step(data_iterator, chunk):
     return chunk(tokens[:, :-1], tokens[:, 1:]), loss_func
 
 
+def _two_bw_setup(configs, dp: int) -> tuple:
+    """(model, optimizer, InFlight, this DP rank's microbatches) of a 2bw run of `configs`."""
+    from megalite.mpu import parallel_state as ps
+    model = build_model(configs, functools.partial(provider, configs))
+    opt, _ = get_optimizer(configs.optimizer, configs.precision, model, STEPS)
+    in_flight = InFlight(WeightVersions(model, opt))
+    rank = ps.get_data_parallel_rank()
+    mine = itertools.chain.from_iterable(
+        b[rank * M * MICRO:(rank + 1) * M * MICRO].split(MICRO) for b in global_batches(dp))
+    return model, opt, in_flight, mine
+
+
 def pipelined_curve(tp: int, pp: int, optimizer: str, sharding: str
                     ) -> tuple[list[float], list[float]]:
     """(loss, grad norm) of each step of 2bw on this rank's layout (train_step, drains after
@@ -83,13 +95,7 @@ def pipelined_curve(tp: int, pp: int, optimizer: str, sharding: str
     configs = parse_configs(flags(tp, pp, dp, optimizer, sharding))
     layout = RunLayout.from_configs(configs, world)
     setup_parallel(configs, layout)
-    from megalite.mpu import parallel_state as ps
-    model = build_model(configs, functools.partial(provider, configs))
-    opt, _ = get_optimizer(configs.optimizer, configs.precision, model, STEPS)
-    in_flight = InFlight(WeightVersions(model, opt))
-    rank = ps.get_data_parallel_rank()
-    mine = itertools.chain.from_iterable(
-        b[rank * M * MICRO:(rank + 1) * M * MICRO].split(MICRO) for b in global_batches(dp))
+    model, opt, in_flight, mine = _two_bw_setup(configs, dp)
     losses, norms = [], []
     for step in range(1, STEPS + 1):
         in_flight.drain = step in DRAINS
@@ -236,12 +242,7 @@ def _unaligned_curve(tp: int = 1, pp: int = 4) -> dict:
     stage_of = [int(s) for s in comm.all_gather_stacked(
         torch.tensor([ps.get_pipeline_model_parallel_rank()], device=current_device()),
         torch.distributed.group.WORLD)]
-    model = build_model(configs, functools.partial(provider, configs))
-    opt, _ = get_optimizer(configs.optimizer, configs.precision, model, STEPS)
-    in_flight = InFlight(WeightVersions(model, opt))
-    rank = ps.get_data_parallel_rank()
-    mine = itertools.chain.from_iterable(
-        b[rank * M * MICRO:(rank + 1) * M * MICRO].split(MICRO) for b in global_batches(dp))
+    model, opt, in_flight, mine = _two_bw_setup(configs, dp)
     curve, across = {}, {}
     with ExitSignalHandler() as signals:
         for step in range(1, STEPS + 1):
