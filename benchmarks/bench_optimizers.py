@@ -25,18 +25,16 @@ import tempfile
 from common import benchmark_parser, machine_line, plot_curves
 
 VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([0-9.E+-]+)")
-OWN_FLAGS = {"muon": lambda freeze, block: ["--muon-scale-mode", "spectral",
-                                            "--muon-extra-scale-factor", "0.2"],
-             "onebit_adam": lambda freeze, block: ["--freeze-step", str(freeze),
-                                                   "--onebit-block-size", str(block)],
+OWN_FLAGS = {"muon": lambda freeze: ["--muon-scale-mode", "spectral",
+                                     "--muon-extra-scale-factor", "0.2"],
+             "onebit_adam": lambda freeze: ["--freeze-step", str(freeze)],
              # LAMB's trust ratio wants a larger rate (at AdamW's 1e-3: +6 % at 600 steps)
-             "onebit_lamb": lambda freeze, block: ["--freeze-step", str(freeze),
-                                                   "--onebit-block-size", str(block),
-                                                   "--lr", "3e-3", "--min-lr", "3e-4"],
+             "onebit_lamb": lambda freeze: ["--freeze-step", str(freeze), "--lr", "3e-3",
+                                            "--min-lr", "3e-4"],
              # DeepSpeed's --local-step-scaler (32678) is for runs of 10^5 steps and more
-             "zero_one_adam": lambda freeze, block: [
-                 "--var-freeze-step", str(freeze), "--local-step-scaler",
-                 str(max(1, freeze // 5)), "--onebit-block-size", str(block)]}
+             "zero_one_adam": lambda freeze: ["--var-freeze-step", str(freeze),
+                                              "--local-step-scaler", str(max(1, freeze // 5))]}
+ONEBIT_FAMILY = ("onebit_adam", "onebit_lamb", "zero_one_adam")  # take --onebit-block-size
 
 
 def train_counted(argv: list[str]) -> dict:
@@ -103,8 +101,9 @@ def main() -> None:
                 "--adam-eps", str(args.adam_eps), "--data-cache-dir", f"{root}/cache"]
         for name in names:
             flags = base + ["--optimizer", name, "--save", f"{root}/{name}",
-                            *OWN_FLAGS.get(name, lambda f, b: [])(freeze,
-                                                                  args.onebit_block_size)]
+                            *OWN_FLAGS.get(name, lambda f: [])(freeze)]
+            if name in ONEBIT_FAMILY:
+                flags += ["--onebit-block-size", str(args.onebit_block_size)]
             runs[name] = pool.run(train_counted, flags)[0]
             print(f"{name}: final validation loss {runs[name]['validations'][-1][1]:.4f}",
                   flush=True)

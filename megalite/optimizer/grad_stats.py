@@ -61,6 +61,5 @@ def found_inf_anywhere(found_inf: torch.Tensor, groups: list) -> torch.Tensor:
 def nonfinite_anywhere(norm: torch.Tensor, group) -> torch.Tensor:
     """`norm` (an fp32 scalar), or NaN where it is not finite on some rank of `group` (one
     MAX all-reduce of a 0/1 flag over `group`)."""
-    flag = (~torch.isfinite(norm)).float().reshape(1)
-    comm.all_reduce(flag, group, op=dist.ReduceOp.MAX)
+    flag = found_inf_anywhere((~torch.isfinite(norm)).float().reshape(1), [group])
     return torch.where(flag[0] > 0, torch.full_like(norm, float("nan")), norm)
