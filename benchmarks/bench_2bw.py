@@ -11,7 +11,10 @@ after the last) and its stages meet only at the last step, as between log steps 
 "2bw aligned" clips (--clip-grad 1), which makes its stages meet at every step's end. Per
 step and rank the executor's computes are timed (observe_computes): the measured bubble is
 the median over steps of the rank mean of (step time - compute) / compute (each rank's own
-step: with 2bw they overlap); the simulated one is the schedule's steady state with F = B = W
+step: with 2bw they overlap); the off-CPU bubble, the same median of rank means of the time
+the stepping thread slept (neither on a CPU nor waiting for one: blocked on a message, from
+Linux's schedstat) over its time on a CPU or waiting for one, is the one that four ranks
+sharing fewer than four cores do not inflate with their waits for a core; the simulated one is the schedule's steady state with F = B = W
 (megalite.schedules.accounting.schedule_bubble). Each measurement is repeated --repeats
 times, the schedules taking turns, and the fastest kept.
 Loss curve: pretrain_gpt on the built-in corpus under torchrun (4 ranks, PP4, m = 4, the same
@@ -30,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common import benchmark_parser, machine_line, plot_curves, turn_order
+from common import benchmark_parser, machine_line, plot_curves, thread_schedstat, turn_order
 
 SCHEDULES = ("1f1b", "zb-h1", "2bw", "2bw aligned")  # aligned: clipping (step_alignment)
 LOSS = re.compile(r"iteration\s+(\d+)/.*?lm loss ([0-9.E+-]+)")
@@ -78,7 +81,7 @@ def measure(args, m: int, schedule: str) -> dict:
             out.float().mean(), {"lm loss": out.float().mean().detach()})
 
     busy = [0.0]
-    times, computes = [], []
+    times, computes, sleeps = [], [], []
     total = args.warmup + args.steps
     with observe_computes(lambda ins, seconds: busy.__setitem__(0, busy[0] + seconds)):
         for step in range(total):
@@ -86,17 +89,25 @@ def measure(args, m: int, schedule: str) -> dict:
                 in_flight.drain = step == total - 1
                 in_flight.aligned = in_flight.drain or bool(aligned)
             busy[0] = 0.0
-            start = time.perf_counter()
+            start, sched = time.perf_counter(), thread_schedstat()
             train_step(forward_step, batches, model, optimizer, layout, in_flight=in_flight)
             if step >= args.warmup and step < total - 1:  # 2bw's last step drains
                 times.append(time.perf_counter() - start)
                 computes.append(busy[0])
+                running, runnable = (b - a for a, b in zip(sched, thread_schedstat()))
+                sleeps.append((times[-1] - running - runnable) / (running + runnable))
     destroy_model_parallel()
-    return {"times": times, "busy": computes}
+    return {"times": times, "busy": computes, "sleeps": sleeps}
+
+
+def rank_mean_median(ranks: list[list[float]]) -> float:
+    """The median over steps of the mean over ranks of a per-step figure."""
+    return statistics.median(statistics.mean(step) for step in zip(*ranks))
 
 
 def throughput(args) -> dict:
-    """{(schedule, m): (tokens/s, measured bubble)}, the best of --repeats runs each."""
+    """{(schedule, m): (tokens/s, measured bubble, off-CPU bubble)}, the best of --repeats
+    runs each."""
     from megalite.distributed.rank_pool import RankPool
     pool = RankPool(4, 3600)
     best: dict = {}
@@ -106,13 +117,12 @@ def throughput(args) -> dict:
                 for schedule in turn_order(SCHEDULES, repeat):
                     ranks = pool.run(measure, args, m, schedule)
                     seconds = statistics.median(ranks[0]["times"])
-                    bubble = statistics.median(
-                        statistics.mean(step) for step in zip(
-                            *([(t - c) / c for t, c in zip(r["times"], r["busy"])]
-                              for r in ranks)))
+                    bubble = rank_mean_median([[(t - c) / c for t, c in zip(
+                        r["times"], r["busy"])] for r in ranks])
+                    sleeping = rank_mean_median([r["sleeps"] for r in ranks])
                     tokens = args.micro_batch_size * m * args.seq_length / seconds
                     if tokens > best.get((schedule, m), (0,))[0]:
-                        best[schedule, m] = (tokens, bubble)
+                        best[schedule, m] = (tokens, bubble, sleeping)
     finally:
         pool.close()
     return best
@@ -147,14 +157,16 @@ def main() -> None:
     print(f"PP4, {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, "
           f"micro-batch {args.micro_batch_size}; median of {args.steps} steps, best of "
           f"{args.repeats}")
-    print("| schedule | m | tokens/s | measured bubble | simulated bubble (F = B = W) |")
-    print("|---|---|---|---|---|")
+    print("| schedule | m | tokens/s | measured bubble | off-CPU bubble | simulated bubble "
+          "(F = B = W) |")
+    print("|---|---|---|---|---|---|")
     for m in (4, 8):
         for schedule in SCHEDULES:
-            tokens, bubble = best[schedule, m]
+            tokens, bubble, sleeping = best[schedule, m]
             name, _, aligned = schedule.partition(" ")
             simulated = schedule_bubble(SCHEDULE_KINDS[name], 4, m, aligned=bool(aligned))
-            print(f"| {schedule} | {m} | {tokens:,.0f} | {bubble:.3f} | {float(simulated):.3f} |")
+            print(f"| {schedule} | {m} | {tokens:,.0f} | {bubble:.3f} | {sleeping:.3f} | "
+                  f"{float(simulated):.3f} |")
     print(machine_line())
     if not args.train_iters:
         return

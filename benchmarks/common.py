@@ -68,6 +68,18 @@ def machine_line() -> str:
     return f"load average {load} on {os.cpu_count()} cores"
 
 
+def thread_schedstat() -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far,
+    from Linux's /proc schedstat; what is left of a span's wall time the thread slept
+    (blocked, e.g. waiting for a message). (0, 0) where the file does not exist."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            running, waiting = f.read().split()[:2]
+    except OSError:
+        return 0.0, 0.0
+    return int(running) / 1e9, int(waiting) / 1e9
+
+
 def sync(device: torch.device | None) -> None:
     """Wait for the work queued on `device` when it is a GPU."""
     if device is not None and device.type == "cuda":
