@@ -10,7 +10,10 @@ that both see the same load on a shared machine; the PLD run adds
 --progressive-layer-drop --pld-theta THETA --pld-gamma GAMMA (γ scaled to the run's length,
 DeepSpeed's 0.001 is for ~100k steps). Each run logs every step; the table compares the
 median ms/iter over the second half of the run (θ(t) near θ̄ there) with the share of layers
-computed (the embedding, output layer and optimizer step do not shrink).
+computed (the embedding, output layer and optimizer step do not shrink) and with the FLOPs
+per step the log counts (only the layers run): a step time in proportion to the work run has
+the FLOPs' ratio. CPU ms/iter (the main thread's time on a CPU per step, from Linux's
+schedstat) is the step time that other processes' load does not stretch.
 --plot writes validation loss against wall-clock seconds of both runs (matplotlib).
 Asserts nothing.
 """
@@ -25,21 +28,34 @@ from concurrent.futures import ThreadPoolExecutor
 
 from common import benchmark_parser, machine_line, plot_curves
 
-ITERATION = re.compile(r"iteration\s+(\d+)/.*?(?:layers computed ([0-9.]+) \| )?ms/iter (\d+)")
+ITERATION = re.compile(r"iteration\s+(\d+)/.*?(?:layers computed ([0-9.]+) \| )?ms/iter (\d+)"
+                       r".*?TFLOP/s/device ([0-9.]+)")
 VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([0-9.E+-]+)")
+
+
+def cpu_seconds(pid: int) -> float:
+    """Seconds the main thread of process `pid` has been on a CPU (Linux schedstat)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
 
 
 def run(flags: list[str]) -> dict:
     """One pretrain_gpt run, one thread (OMP_NUM_THREADS=1): per step (iteration, layers
-    computed, ms), and (seconds since start, iteration, validation loss) of each evaluation."""
+    computed, ms, CPU ms, GFLOP), and (seconds since start, iteration, validation loss) of each
+    evaluation. CPU ms: the main thread's time on a CPU between two log lines (read when each
+    line arrives) per step between them: the step without its waits for a core."""
     start = time.time()
     process = subprocess.Popen([sys.executable, "pretrain_gpt.py", *flags],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-    steps, validations = [], []
+    steps, validations, last = [], [], None
     for line in process.stdout:
         if match := ITERATION.search(line):
-            steps.append((int(match[1]), float(match[2] or 1.0), float(match[3])))
+            iteration, cpu = int(match[1]), cpu_seconds(process.pid)
+            cpu_ms = (cpu - last[1]) * 1e3 / (iteration - last[0]) if last else float("nan")
+            last = iteration, cpu
+            steps.append((iteration, float(match[2] or 1.0), float(match[3]), cpu_ms,
+                          float(match[4]) * float(match[3])))
         elif match := VALIDATION.search(line):
             validations.append((time.time() - start, int(match[1]), float(match[2])))
     if process.wait():
@@ -74,18 +90,25 @@ def main() -> None:
     for name, result in runs.items():
         late = [s for s in result["steps"] if s[0] > half]
         table[name] = {"ms/iter": statistics.median(s[2] for s in late),
+                       "CPU ms/iter": statistics.median(s[3] for s in late),
+                       "GFLOP/iter": statistics.median(s[4] for s in late),
                        "layers computed": statistics.mean(s[1] for s in late),
                        "final validation": result["validations"][-1][2],
                        "seconds": result["seconds"]}
     none, pld = table["none"], table["pld"]
     print(f"{args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, "
           f"{args.train_iters} steps, theta {args.theta}, gamma {args.gamma}; second half:")
-    print("| run | ms/iter | layers computed | final validation loss | run seconds |")
-    print("|---|---|---|---|---|")
+    print("| run | ms/iter | CPU ms/iter | GFLOP/iter | layers computed | final validation loss "
+          "| run seconds |")
+    print("|---|---|---|---|---|---|---|")
     for name, row in table.items():
-        print(f"| {name} | {row['ms/iter']:.0f} | {row['layers computed']:.3f} | "
+        print(f"| {name} | {row['ms/iter']:.0f} | {row['CPU ms/iter']:.0f} | "
+              f"{row['GFLOP/iter']:.2f} | {row['layers computed']:.3f} | "
               f"{row['final validation']:.4f} | {row['seconds']:.0f} |")
-    print(f"step time ratio pld/none {pld['ms/iter'] / none['ms/iter']:.3f}, layers computed "
+    ratios = {key: pld[key] / none[key] for key in ("ms/iter", "CPU ms/iter", "GFLOP/iter")}
+    print(f"pld / none: step time {ratios['ms/iter']:.3f}, CPU time {ratios['CPU ms/iter']:.3f}, "
+          f"FLOPs {ratios['GFLOP/iter']:.3f} (time in proportion to the work run: CPU time "
+          f"{ratios['CPU ms/iter'] / ratios['GFLOP/iter'] - 1:+.1%} from it); layers computed "
           f"{pld['layers computed']:.3f}")
     if args.plot:
         curves = {}
