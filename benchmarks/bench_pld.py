@@ -5,8 +5,8 @@ wall-clock second, pretrain_gpt on the built-in corpus, one process each (CPU + 
     python3 benchmarks/bench_pld.py                  # the docs' run
     python3 benchmarks/bench_pld.py --train-iters 60 --plot ''   # quicker
 
-Both runs have the same model, data, seed and flags and run side by side, one thread each, so
-that both see the same load on a shared machine; the PLD run adds
+The runs have the same model, data, seed and flags and run side by side, one thread each, so
+that all see the same load on a shared machine; the PLD run adds
 --progressive-layer-drop --pld-theta THETA --pld-gamma GAMMA (γ scaled to the run's length,
 DeepSpeed's 0.001 is for ~100k steps). Each run logs every step; the table compares the
 median ms/iter over the second half of the run (θ(t) near θ̄ there) with the share of layers
@@ -14,6 +14,10 @@ computed (the embedding, output layer and optimizer step do not shrink) and with
 per step the log counts (only the layers run): a step time in proportion to the work run has
 the FLOPs' ratio. CPU ms/iter (the main thread's time on a CPU per step, from Linux's
 schedstat) is the step time that other processes' load does not stretch.
+A third run without dropping at half the depth (L / 2 layers) measures what a layer costs: the
+layers' CPU time is twice (none - half depth), the rest is what does not shrink, and pld's CPU
+time in proportion to the layers it computes is the rest plus the layers' time times that share
+(each layer's optimizer update, which dropping does not skip, is counted with the layers).
 --plot writes validation loss against wall-clock seconds of both runs (matplotlib).
 Asserts nothing.
 """
@@ -80,22 +84,24 @@ def main() -> None:
                 "--eval-interval", str(max(1, args.train_iters // 6)), "--eval-iters", "4",
                 "--hidden-dropout", "0", "--attention-dropout", "0",
                 "--data-cache-dir", f"{root}/cache"]
+        half = base + ["--save", f"{root}/half"]
+        half[half.index("--num-layers") + 1] = str(args.num_layers // 2)
         flags = {"none": base + ["--save", f"{root}/none"],
                  "pld": base + ["--save", f"{root}/pld", "--progressive-layer-drop",
-                                "--pld-theta", str(args.theta), "--pld-gamma", str(args.gamma)]}
-        with ThreadPoolExecutor(2) as pool:  # side by side: both see the machine's same load
+                                "--pld-theta", str(args.theta), "--pld-gamma", str(args.gamma)],
+                 "half depth": half}
+        with ThreadPoolExecutor(len(flags)) as pool:  # side by side: the machine's same load
             runs = dict(zip(flags, pool.map(run, flags.values())))
-    half = args.train_iters // 2
     table = {}
     for name, result in runs.items():
-        late = [s for s in result["steps"] if s[0] > half]
+        late = [s for s in result["steps"] if s[0] > args.train_iters // 2]
         table[name] = {"ms/iter": statistics.median(s[2] for s in late),
                        "CPU ms/iter": statistics.median(s[3] for s in late),
                        "GFLOP/iter": statistics.median(s[4] for s in late),
                        "layers computed": statistics.mean(s[1] for s in late),
                        "final validation": result["validations"][-1][2],
                        "seconds": result["seconds"]}
-    none, pld = table["none"], table["pld"]
+    none, pld, half = table["none"], table["pld"], table["half depth"]
     print(f"{args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, "
           f"{args.train_iters} steps, theta {args.theta}, gamma {args.gamma}; second half:")
     print("| run | ms/iter | CPU ms/iter | GFLOP/iter | layers computed | final validation loss "
@@ -110,10 +116,16 @@ def main() -> None:
           f"FLOPs {ratios['GFLOP/iter']:.3f} (time in proportion to the work run: CPU time "
           f"{ratios['CPU ms/iter'] / ratios['GFLOP/iter'] - 1:+.1%} from it); layers computed "
           f"{pld['layers computed']:.3f}")
+    layers_cpu = 2 * (none["CPU ms/iter"] - half["CPU ms/iter"])  # all L layers' CPU ms
+    expected = none["CPU ms/iter"] - layers_cpu * (1 - pld["layers computed"])
+    print(f"CPU ms/iter of the {args.num_layers} layers (twice none - half depth) "
+          f"{layers_cpu:.0f}, of the rest {none['CPU ms/iter'] - layers_cpu:.0f}: pld's in "
+          f"proportion to the layers computed {expected:.0f}, measured {pld['CPU ms/iter']:.0f} "
+          f"({pld['CPU ms/iter'] / expected - 1:+.1%})")
     if args.plot:
         curves = {}
-        for name, result in runs.items():
-            seconds, _, losses = zip(*result["validations"])
+        for name in ("none", "pld"):
+            seconds, _, losses = zip(*runs[name]["validations"])
             curves[name] = seconds, losses
         plot_curves(curves, "wall-clock seconds", "validation lm loss",
                     f"PLD (theta {args.theta}, gamma {args.gamma}) vs none", args.plot,
