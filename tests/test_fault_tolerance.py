@@ -133,32 +133,33 @@ def test_a_hung_tensor_parallel_collective_ends_within_the_group_timeout(tmp_pat
 
 def _resume(prefix: str, root: str, name: str, iters: int) -> dict:
     return train(tiny_args(prefix, f"{root}/{name}", iters, "--load", f"{root}/killed",
-                           *PP2_DP2))
+                           "--pp", "2"))
 
 
 def test_sigkill_of_one_rank_during_an_async_save_leaves_the_previous_checkpoint_to_resume(
         tmp_path):
-    """--async-save every step: the save of step 3 is still unpublished (its files written in
-    the background, published by the next save) when rank 2 dies in step 4, so step 2's
-    checkpoint (published when the save of step 3 began) is what --load picks."""
+    """--async-save every step (PP 2 under torchrun): the save of step 3 is still unpublished
+    (its files written in the background, published by the next save) when rank 1 dies in
+    step 4, so step 2's checkpoint (published when the save of step 3 began) is what --load
+    picks."""
     prefix = make_dataset(str(tmp_path))
     ck = tmp_path / "killed"
-    argv = tiny_args(prefix, str(ck), 5, *PP2_DP2, "--save-interval", "1", "--async-save",
+    argv = tiny_args(prefix, str(ck), 5, "--pp", "2", "--save-interval", "1", "--async-save",
                      "--distributed-timeout-minutes", "0.5")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGALITE_FAULT": "sigkill@4:2",
-           **({} if on_gpus(4) else {"CUDA_VISIBLE_DEVICES": ""})}  # as the rank pools
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGALITE_FAULT": "sigkill@4:1",
+           **({} if on_gpus(2) else {"CUDA_VISIBLE_DEVICES": ""})}  # as the rank pools
     start = time.monotonic()
     job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node", "4", "pretrain_gpt.py", *argv], cwd=ROOT, env=env,
+                          "--nproc_per_node", "2", "pretrain_gpt.py", *argv], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=150)
     elapsed = time.monotonic() - start
     assert job.returncode != 0 and elapsed < 120, (job.returncode, elapsed)
     assert "SIGKILL" in job.stderr or "exitcode  : -9" in job.stderr, job.stderr[-2000:]
     assert checkpoint.latest_iteration(str(ck)) == 2
     assert not os.path.exists(checkpoint.iteration_dir(str(ck), 3))
-    straight = run_on_ranks(4, train, tiny_args(prefix, str(tmp_path / "straight"), 5,
-                                                *PP2_DP2))[0]
-    resumed = run_on_ranks(4, _resume, prefix, str(tmp_path), "resumed", 5)[0]
+    straight = run_on_ranks(2, train, tiny_args(prefix, str(tmp_path / "straight"), 5,
+                                                "--pp", "2"))[0]
+    resumed = run_on_ranks(2, _resume, prefix, str(tmp_path), "resumed", 5)[0]
     assert sorted(resumed) == [3, 4, 5]
     assert [resumed[i] for i in (3, 4, 5)] == [straight[i] for i in (3, 4, 5)]
 

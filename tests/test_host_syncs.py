@@ -125,7 +125,7 @@ class _CountedTask(Task):
 
 
 STEPS = 2
-SIZES = ((4, 2, 4), (8, 2, 4), (4, 4, 4), (4, 2, 8))  # (microbatches, layers, experts)
+SIZES = ((2, 2, 4), (4, 2, 4), (2, 4, 4), (2, 2, 8))  # (microbatches, layers, experts)
 LAYOUTS = (("--tp", "2", "--pp", "2"),
            ("--pp", "2", "--dp", "2", "--ep", "2", "--moe-expert-capacity-factor", "1.0"))
 

@@ -22,7 +22,9 @@ Bounded failure: if any rank raises, the pool is killed at once and `run` raises
 that rank's traceback; ranks that do not answer within `timeout_s` are killed and named.
 The workers are not daemonic, so a task may start processes of its own (a DataLoader's
 workers); they stop when the pool closes, when this process exits, or when it is gone (end
-of file on their pipe).
+of file on their pipe). They start them as a torchrun rank does, with the platform's default
+start method: a forked worker inherits the fork server's, and would start a second, bare
+server whose children import torch and megalite again (~8 s for 2 DataLoader workers here).
 """
 import atexit
 import contextlib
@@ -74,6 +76,7 @@ def _worker(rank: int, world_size: int, store_file: str, conn, timeout_s: float,
             env: dict[str, str]) -> None:
     os.environ.clear()  # the fork server's environment is that of the first pool's start
     os.environ.update(env)
+    mp.set_start_method(None, force=True)  # the platform's default, not the fork server
     import torch
     from torch.utils._pytree import tree_map_only
     torch.set_num_threads(1)

@@ -25,6 +25,7 @@ from megalite.models.layer_drop import LayerDrop, shared_over_replicas, start_la
 from megalite.moe import update_expert_bias
 from megalite.mpu import comm
 from megalite.mpu import parallel_state as ps
+from megalite.mpu.random import weights_loaded_next
 from megalite.optimizer import get_optimizer
 from megalite.optimizer.weight_versions import WeightVersions
 from megalite.schedules.executor import InFlight, forward_backward
@@ -240,11 +241,15 @@ def start_parallel(configs: Configs, task: Task) -> RunLayout:
 
 def start_run(configs: Configs, task: Task, layout: RunLayout) -> Run:
     """On the process grid: the task's model chunks (wrapped for DP), optimizer and scheduler,
-    resumed from --load when given; the Run has no logger or validation batches yet."""
+    resumed from --load when given (its weights are not drawn first: the load fills every
+    parameter, and the draws use a private generator); the Run has no logger or validation
+    batches yet."""
     ckpt = configs.checkpoint
     try:
         task.prepare(configs)
-        model = build_model(configs, functools.partial(task.model_provider, configs))
+        loading = bool(ckpt.load) and checkpoint.read_meta(ckpt.load) is not None
+        with weights_loaded_next() if loading else contextlib.nullcontext():  # all loaded
+            model = build_model(configs, functools.partial(task.model_provider, configs))
         optimizer, scheduler = get_optimizer(configs.optimizer, configs.precision, model,
                                              configs.train.train_iters)
         in_flight = InFlight(WeightVersions(model, optimizer)) \
