@@ -6,7 +6,8 @@ classification head). fp32, dropout off (eval), right-padded batch of different
 lengths with token types. Logits within 1e-5 relative; loss and every parameter's
 gradient (gathered over TP; tied embedding grads all-reduced over first/last stage)
 within 1e-4 relative. The two pipeline stages are driven by hand with send/recv. The
-transformers models run on the CPU, megalite on the rank's device.
+transformers models run once, in this process on the CPU (the ranks get their config,
+weights and results), megalite on the rank's device.
 At (2, 2) the full state dict gathered over TP and PP must equal the converted input.
 """
 import pytest
@@ -113,14 +114,15 @@ def _run_pipeline(model: BertModel, batch: dict[str, torch.Tensor], hidden: int,
     return out if last else None
 
 
-def _compare(hf, ref: dict, batch: dict, head: str, tp: int, pp: int) -> dict:
+def _compare(hf_config, hf_state: dict, ref: dict, batch: dict, head: str, tp: int,
+             pp: int) -> dict:
     initialize_model_parallel(tp, pp)
     model_parallel_seed(0, ps.get_tensor_model_parallel_rank())
-    config = bert_config(hf.config)
+    config = bert_config(hf_config)
     model = BertModel(config, head=head, num_labels=NUM_LABELS,
                       pre_process=ps.is_pipeline_first_stage(),
                       post_process=ps.is_pipeline_last_stage(), device=current_device()).eval()
-    load_hf(model, hf.state_dict())
+    load_hf(model, hf_state)
     batch = {name: tensor.to(current_device()) for name, tensor in batch.items()}
     errors = {}
     logits = _run_pipeline(model, batch, config.hidden_size, backward=False)
@@ -136,26 +138,31 @@ def _compare(hf, ref: dict, batch: dict, head: str, tp: int, pp: int) -> dict:
     errors["grad"] = max(rel_err(gather_tensor_parallel(p.grad, p), ref_grads[n])
                          for n, p in model.named_parameters())
     state = gather_pipeline_state_dict(full_state_dict(model))
-    want = bert_to_megalite(hf.state_dict(), config)
+    want = bert_to_megalite(hf_state, config)
     errors["state_keys_equal"] = state.keys() == want.keys()
     errors["state"] = max(rel_err(v, want[k]) for k, v in state.items())
     ps.destroy_model_parallel()
     return errors
 
 
-def _all_layouts(model_dir: str) -> dict:
-    results = {}
+def _references(model_dir: str) -> dict:
+    """(source, head) -> the transformers model's config, weights, results and batch."""
+    out = {}
     for source, head in CASES:
         hf = tiny_bert(head) if source == "random" else _minilm_classifier(model_dir)
         batch = _batch(hf.config.vocab_size, head)
-        ref = _hf_reference(hf, batch)
-        for tp, pp in LAYOUTS:
-            results[(source, head, tp, pp)] = _compare(hf, ref, batch, head, tp, pp)
-    return results
+        out[source, head] = (hf.config, hf.state_dict(), _hf_reference(hf, batch), batch)
+    return out
+
+
+def _all_layouts(references: dict) -> dict:
+    return {(source, head, tp, pp): _compare(hf_config, state, ref, batch, head, tp, pp)
+            for (source, head), (hf_config, state, ref, batch) in references.items()
+            for tp, pp in LAYOUTS}
 
 
 def test_bert_matches_hf_at_tp_pp_layouts():
-    per_rank = run_on_ranks(4, _all_layouts, minilm_dir())
+    per_rank = run_on_ranks(4, _all_layouts, _references(minilm_dir()))
     for rank, results in enumerate(per_rank):
         for case, e in results.items():
             assert e.get("logits", 0.0) < 1e-5, (rank, case, e)

@@ -1,14 +1,14 @@
 """Llama-spec GPTModel at TP in {1, 2, 4} vs transformers LlamaForCausalLM (and Qwen3ForCausalLM:
 per-head q/k norms), same random weights.
 
-fp32 (megalite on the rank's device, transformers on the CPU): MHA (fused QKV), GQA with 2
-groups (split at TP 2, replicated at TP 4), MQA (one group replicated on every rank), a head
-dim other than hidden/heads, Llama-3 RoPE scaling, Qwen3's q/k norms (GQA, head dim 12,
-their weights replicated over TP and their grads summed over it), tied and untied heads, odd
-vocabulary (203) and odd sequence length (13): logits within 1e-5, loss within 1e-5 relative, every
-gradient (gathered over TP) within 1e-4 relative, then three AdamW steps on both and the
-losses still within 1e-5 relative. Also: one-line errors for configs megalite cannot
-express, before any collective.
+fp32 (megalite on the rank's device, transformers on the CPU, once in the test process): MHA
+(fused QKV), GQA with 2 groups (split at TP 2, replicated at TP 4), MQA (one group replicated
+on every rank), a head dim other than hidden/heads, Llama-3 RoPE scaling, Qwen3's q/k norms
+(GQA, head dim 12, their weights replicated over TP and their grads summed over it), tied and
+untied heads, odd vocabulary (203) and odd sequence length (13): logits within 1e-5, loss
+within 1e-5 relative, every gradient (gathered over TP) within 1e-4 relative, then three AdamW
+steps on both and the losses still within 1e-5 relative. Also: one-line errors for configs
+megalite cannot express, before any collective.
 """
 import pytest
 import torch
@@ -19,7 +19,7 @@ from megalite.models import GPTModel
 from megalite.mpu import comm, initialize_model_parallel, model_parallel_seed
 from megalite.mpu import parallel_state as ps
 from tests.helpers.multirank import run_on_ranks
-from tests.helpers.reference import hf_parity_errors, random_hf_model
+from tests.helpers.reference import hf_results, parity_errors, random_hf_model
 
 VOCAB, SEQ = 203, 13
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
@@ -46,18 +46,30 @@ def tiny_llama(seed: int = 0, family: str = "llama", **overrides):
     return random_hf_model(cls, config_cls(**{**kw, **overrides}), seed)
 
 
-def _compare(tp: int, case: str) -> dict:
+def _tokens() -> torch.Tensor:
+    """The batch [3, SEQ + 1], on the CPU (transformers' input; the ranks move it)."""
+    return torch.randint(0, VOCAB, (3, SEQ + 1), generator=torch.Generator().manual_seed(1),
+                         device="cpu")
+
+
+def _reference(case: str) -> tuple:
+    """transformers' side of `case`, computed once in the test process (the ranks never build
+    the model): its config, initial weights and `hf_results`."""
+    hf = tiny_llama(**CASES[case])
+    weights = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
+    return hf.config, weights, hf_results(hf, _tokens())
+
+
+def _compare(tp: int, case: str, reference: tuple) -> dict:
     initialize_model_parallel(tp, 1)
     model_parallel_seed(0, ps.get_tensor_model_parallel_rank())
-    hf = tiny_llama(**CASES[case])
+    hf_config, weights, want = reference
     family = FAMILIES[CASES[case].get("family", "llama")]
-    config = family.config_from_hf(hf.config)
+    config = family.config_from_hf(hf_config)
     model = GPTModel(config, device=current_device())
-    load_hf(model, hf.state_dict())
-    tokens = torch.randint(0, VOCAB, (3, SEQ + 1),
-                           generator=torch.Generator().manual_seed(1)).to(current_device())
-    return hf_parity_errors(model, hf, lambda state: family.state_to_hf(state, config), tokens,
-                            VOCAB)
+    load_hf(model, weights)
+    return parity_errors(model, want, lambda state: family.state_to_hf(state, config),
+                         _tokens().to(current_device()), VOCAB)
 
 
 def _bad_configs() -> dict[str, tuple[str, dict]]:
@@ -87,14 +99,19 @@ def _bad_configs() -> dict[str, tuple[str, dict]]:
     return out
 
 
-def _at_tp(tps: tuple[int, ...]) -> dict:
-    return {(tp, case): _compare(tp, case) for tp in tps for case in CASES}
+def _at_tp(tps: tuple[int, ...], references: dict) -> dict:
+    return {(tp, case): _compare(tp, case, references[case]) for tp in tps for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {case: _reference(case) for case in CASES}
 
 
 @pytest.mark.parametrize("world,tps", [(1, (1,)), (4, (2, 4))], ids=["tp1", "tp2-4"])
-def test_llama_matches_hf(world, tps):
+def test_llama_matches_hf(world, tps, references):
     """TP 1 on one rank (so on a machine with one GPU it runs there), TP 2 and 4 on four."""
-    results = run_on_ranks(world, _at_tp, tps)
+    results = run_on_ranks(world, _at_tp, tps, references)
     for per_rank in results:
         for key, e in per_rank.items():
             assert e["logits"] < 1e-5 and e["loss"] < 1e-5, (key, e)

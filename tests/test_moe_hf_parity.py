@@ -5,7 +5,8 @@ schedule, AdamW) at one rank, EP2 x TP2 (+SP), EP2 x PP2 (4 ranks) and EP4 x DP2
 fp32: the first loss, every gradient (renamed to megalite's names from
 the HF grads, gathered over TP) and the losses after three AdamW steps agree. The batch is
 split over DP ranks, so the expert grads sum other ranks' tokens through the all-to-all.
-transformers' side is computed once per family in this process and sent to the ranks."""
+transformers' side (the model's config and initial weights too) is computed once per family
+in this process and sent to the ranks."""
 import pytest
 import torch
 
@@ -67,22 +68,24 @@ def _tokens() -> torch.Tensor:
                          device="cpu")
 
 
-def _model_config(hf):
-    """megalite's ModelConfig of a tiny_moe model."""
-    config = FAMILIES[hf.config.model_type].config_from_hf(hf.config)
+def _model_config(hf_config):
+    """megalite's ModelConfig of a tiny_moe model's config."""
+    config = FAMILIES[hf_config.model_type].config_from_hf(hf_config)
     config.max_position_embeddings = 32
     return config
 
 
 def _reference(family: str, steps: int = 3) -> dict:
-    """transformers' side, computed once (not on every rank of every layout): the first loss,
-    its grads (renamed to megalite's names) and the losses of the `steps` AdamW steps after
-    the first."""
+    """transformers' side, computed once (not on every rank of every layout): the model's
+    config and initial weights (megalite's names), the first loss, its grads (renamed) and the
+    losses of the `steps` AdamW steps after the first."""
     hf = tiny_moe(family)
+    config = _model_config(hf.config)
+    weights = moe_to_megalite({n: t.clone() for n, t in hf.state_dict().items()}, config)
     tokens = _tokens()
     loss = hf_token_loss(hf, tokens)
     loss.backward()
-    grads = moe_to_megalite({n: p.grad for n, p in hf.named_parameters()}, _model_config(hf))
+    grads = moe_to_megalite({n: p.grad for n, p in hf.named_parameters()}, config)
     ref_opt = torch.optim.AdamW(
         [{"params": [p for p in hf.parameters() if p.ndim > 1], "weight_decay": 0.01},
          {"params": [p for p in hf.parameters() if p.ndim <= 1], "weight_decay": 0.0}],
@@ -95,23 +98,23 @@ def _reference(family: str, steps: int = 3) -> dict:
         step_loss.backward()
         ref_opt.step()
         step_losses.append(step_loss.item())
-    return {"loss": loss.detach(), "grads": grads, "steps": step_losses}
+    return {"config": hf.config, "weights": weights, "loss": loss.detach(), "grads": grads,
+            "steps": step_losses}
 
 
-def _parity(family: str, reference: dict, tp: int, pp: int, ep: int) -> dict:
-    hf = tiny_moe(family)
+def _parity(reference: dict, tp: int, pp: int, ep: int) -> dict:
     sp = ["--sequence-parallel"] if tp > 1 else []  # needed with TP and EP (Megatron's rule)
     configs = parse_configs(["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), *sp,
                              "--micro-batch-size", "1", "--global-batch-size", str(BATCH),
                              "--seq-length", str(SEQ), "--clip-grad", "0", "--lr", "1e-3",
                              "--lr-decay-style", "constant", "--train-iters", "10"])
-    configs.model = _model_config(hf)
+    configs.model = _model_config(reference["config"])
     layout = RunLayout.from_configs(configs, torch.distributed.get_world_size())
     setup_parallel(configs, layout)
     model = build_model(configs, lambda pre_process, post_process: GPTModel(
         configs.model, pre_process=pre_process, post_process=post_process,
         device=current_device()))
-    load_full_state_dict(model, moe_to_megalite(hf.state_dict(), configs.model))
+    load_full_state_dict(model, reference["weights"])
     from megalite.optimizer import get_optimizer
     optimizer, _ = get_optimizer(configs.optimizer, configs.precision, model, 10)
     tokens = _tokens()
@@ -140,7 +143,7 @@ def _parity(family: str, reference: dict, tp: int, pp: int, ep: int) -> dict:
 
 
 def _both_families(layouts: list[tuple[int, int, int]], references: dict) -> dict:
-    return {(family, layout): _parity(family, references[family], *layout)
+    return {(family, layout): _parity(references[family], *layout)
             for family in FAMILIES_UNDER_TEST for layout in layouts}
 
 

@@ -25,15 +25,24 @@ MOE_FLAGS = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", 
              "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
+@pytest.fixture(scope="module")
+def single_moe_curve(tmp_path_factory) -> tuple[str, dict[int, float]]:
+    """(the dataset prefix, the single-process MoE loss curve of 3 iterations): once for the
+    three layouts."""
+    root = tmp_path_factory.mktemp("moe_single")
+    prefix = make_dataset(str(root))
+    return prefix, run_on_ranks(1, train, tiny_args(prefix, f"{root}/single", 3, *MOE_FLAGS))[0]
+
+
 @pytest.mark.parametrize("layout,tolerance", [
     (["--tp", "2", "--sequence-parallel", "--pp", "2", "--dp", "2", "--ep", "2",
       "--pipeline-schedule", "zb-h1"], 1e-5),
     (["--tp", "2", "--sequence-parallel", "--pp", "2", "--dp", "2", "--ep", "2", "--vpp", "2",
       "--use-distributed-optimizer", "--recompute-granularity", "full"], 1e-5),
     (["--pp", "2", "--dp", "2", "--ep", "2", "--bf16"], 2e-2)])
-def test_moe_loss_curve_ep2_pp2_dp2_equals_single_process(tmp_path, layout, tolerance):
-    prefix = make_dataset(str(tmp_path))
-    single = run_on_ranks(1, train, tiny_args(prefix, f"{tmp_path}/single", 3, *MOE_FLAGS))[0]
+def test_moe_loss_curve_ep2_pp2_dp2_equals_single_process(single_moe_curve, tmp_path, layout,
+                                                          tolerance):
+    prefix, single = single_moe_curve
     world = 8 if "--tp" in layout else 4
     parallel = run_on_ranks(world, train, tiny_args(prefix, f"{tmp_path}/parallel", 3,
                                                     *MOE_FLAGS, *layout))[0]

@@ -149,13 +149,18 @@ class _ProcessGroups:
 _groups = _ProcessGroups()
 
 
-def _new_groups(rank_lists: list[list[int]], my_rank: int, timeout: datetime.timedelta | None):
-    """Create every group (all ranks must call new_group for each); return mine or (None, [])."""
+def _new_groups(rank_lists: list[list[int]], my_rank: int, timeout: datetime.timedelta | None,
+                made: dict):
+    """Create every group (all ranks call new_group for each, in order), one per set of ranks:
+    a set another kind of this layout has (`made`) shares its group (at CP 1 the DP x CP group
+    is the DP group; at PP 2 the embedding group, the pipeline one). Mine, or (None, [])."""
     mine = (None, [])
     for ranks in rank_lists:
-        group = dist.new_group(ranks, timeout=timeout)
+        key = tuple(sorted(ranks))
+        if key not in made:
+            made[key] = dist.new_group(ranks, timeout=timeout)
         if my_rank in ranks:
-            mine = (group, ranks)
+            mine = (made[key], ranks)
     return mine
 
 
@@ -193,17 +198,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     _groups.grid = grid
     timeout = process_group_timeout() if timeout_s is None \
         else datetime.timedelta(seconds=timeout_s)
-    g = _groups
-    g.tp_group, _ = _new_groups(grid.tensor_groups(), rank, timeout)
-    g.dp_group, _ = _new_groups(grid.data_groups(), rank, timeout)
-    g.cp_group, _ = _new_groups(grid.context_groups(), rank, timeout)
-    g.dp_cp_group, _ = _new_groups(grid.data_context_groups(), rank, timeout)
-    g.pp_group, g.pp_ranks = _new_groups(grid.pipeline_groups(), rank, timeout)
-    g.model_group, _ = _new_groups(grid.model_groups(), rank, timeout)
-    g.embedding_group, g.embedding_ranks = _new_groups(grid.embedding_groups(), rank, timeout)
+    g, made = _groups, {}
+    g.tp_group, _ = _new_groups(grid.tensor_groups(), rank, timeout, made)
+    g.dp_group, _ = _new_groups(grid.data_groups(), rank, timeout, made)
+    g.cp_group, _ = _new_groups(grid.context_groups(), rank, timeout, made)
+    g.dp_cp_group, _ = _new_groups(grid.data_context_groups(), rank, timeout, made)
+    g.pp_group, g.pp_ranks = _new_groups(grid.pipeline_groups(), rank, timeout, made)
+    g.model_group, _ = _new_groups(grid.model_groups(), rank, timeout, made)
+    g.embedding_group, g.embedding_ranks = _new_groups(grid.embedding_groups(), rank, timeout,
+                                                       made)
     if grid.ep > 1:  # EP = 1: no expert groups (see the getters)
-        g.ep_group, _ = _new_groups(grid.expert_model_groups(), rank, timeout)
-        g.expert_dp_group, _ = _new_groups(grid.expert_data_groups(), rank, timeout)
+        g.ep_group, _ = _new_groups(grid.expert_model_groups(), rank, timeout, made)
+        g.expert_dp_group, _ = _new_groups(grid.expert_data_groups(), rank, timeout, made)
     g.virtual_rank = 0 if grid.vpp else None
 
 
@@ -216,11 +222,13 @@ GROUP_NAMES = ("tp_group", "dp_group", "pp_group", "model_group", "embedding_gro
 
 
 def destroy_model_parallel() -> None:
-    """Destroy and forget every group so a test can initialise another layout."""
+    """Destroy and forget every group (a shared one once): another layout may follow."""
+    destroyed = []
     for name in GROUP_NAMES:
         group = getattr(_groups, name)
-        if group is not None and dist.is_initialized():
+        if group is not None and dist.is_initialized() and all(group is not d for d in destroyed):
             dist.destroy_process_group(group)
+            destroyed.append(group)
         setattr(_groups, name, None)
     _groups.grid = None
     _groups.virtual_rank = None

@@ -15,9 +15,10 @@ hold more than EXTRA_WORKER_THREADS threads beyond their count at start after a 
 collects garbage (0.25 s), and is replaced by a fresh one only if that does not bring them
 back under.
 
-The fork server also imports transformers (the references some tasks build on the ranks) and
-Lightning (tests/test_lightning.py's ranks) once, instead of every worker of every pool that
-uses them importing them again (~4 and ~6 s of CPU per worker).
+The fork server also imports transformers (the references some tasks build on the ranks:
+its lazy top level, modeling_utils and the model classes of the families megalite converts)
+and Lightning (tests/test_lightning.py's ranks) once, instead of every worker of every pool
+that uses them importing them again (~4, ~1 and ~6 s of CPU per worker).
 """
 import gc
 import os
@@ -30,7 +31,10 @@ TASK_TIMEOUT_S = float(os.environ.get("MEGALITE_TEST_TIMEOUT", 300))
 
 EXTRA_WORKER_THREADS = 60
 
-preload_also("transformers", "pytorch_lightning")  # before the session's first pool
+HF_MODELS = ("bert", "gpt2", "llama", "mistral", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+             "deepseek_v3")
+preload_also("transformers", "transformers.modeling_utils",  # before the session's first pool
+             *(f"transformers.models.{m}.modeling_{m}" for m in HF_MODELS), "pytorch_lightning")
 
 _POOLS: dict[int, tuple[RankPool, int]] = {}  # world size -> (pool, its workers' threads at start)
 

@@ -46,43 +46,61 @@ def hf_token_loss(hf_model, tokens: torch.Tensor) -> torch.Tensor:
                                              tokens[:, 1:].reshape(-1))
 
 
-def hf_parity_errors(model, hf_model, to_hf_names, tokens: torch.Tensor, vocab: int,
-                     steps: int = 3) -> dict:
-    """Relative errors of a megalite GPTModel (this rank's TP shard, on its device) vs a HF
-    causal LM with the same weights (on the CPU) on tokens [b, s + 1] (on the model's device):
-    logits, loss, every gradient (gathered over TP,
-    renamed by `to_hf_names(full megalite dict)`), then the losses after `steps` AdamW steps
-    on both."""
+def hf_results(hf_model, tokens: torch.Tensor, steps: int = 3) -> dict:
+    """transformers' side of `parity_errors` (computable once, in the test process): a HF causal
+    LM's (on the CPU) logits, loss and grads on tokens [b, s + 1], then the losses after each
+    of `steps` AdamW steps (lr 1e-3, weight decay 0.01). Trains `hf_model`."""
+    tokens = tokens.cpu()
+    logits = hf_model(input_ids=tokens[:, :-1]).logits.detach()
+    loss = hf_token_loss(hf_model, tokens)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in hf_model.named_parameters()}
+    opt = torch.optim.AdamW(hf_model.parameters(), lr=1e-3, weight_decay=0.01)
+    step_losses = []
+    for _ in range(steps):
+        opt.step()
+        opt.zero_grad()
+        step_loss = hf_token_loss(hf_model, tokens)
+        step_loss.backward()
+        step_losses.append(step_loss.detach())
+    return {"logits": logits, "loss": loss.detach(), "grads": grads, "steps": step_losses}
+
+
+def parity_errors(model, want: dict, to_hf_names, tokens: torch.Tensor, vocab: int) -> dict:
+    """Relative errors of a megalite GPTModel (this rank's TP shard, on its device) vs
+    `want`, `hf_results` of a HF causal LM with the same weights, on tokens [b, s + 1] (on the
+    model's device): logits, loss, every gradient (gathered over TP, renamed by
+    `to_hf_names(full megalite dict)`), then the losses after as many AdamW steps."""
     from megalite.distributed.finalize import finalize_model_grads
     from megalite.mpu.layers import gather_tensor_parallel
     from megalite.mpu.mappings import gather_from_tensor_model_parallel_region
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     logits = gather_from_tensor_model_parallel_region(model(inputs))[..., :vocab]
-    errors = {"logits": rel_err(logits, hf_model(input_ids=inputs.cpu()).logits)}
+    errors = {"logits": rel_err(logits, want["logits"])}
 
-    def backward_both() -> tuple[torch.Tensor, torch.Tensor]:
-        loss, ref_loss = model(inputs, labels).mean(), hf_token_loss(hf_model, tokens)
+    def backward() -> torch.Tensor:
+        loss = model(inputs, labels).mean()
         loss.backward()
-        ref_loss.backward()
         finalize_model_grads([model])
-        return loss, ref_loss
+        return loss
 
-    loss, ref_loss = backward_both()
-    errors["loss"] = rel_err(loss, ref_loss)
+    errors["loss"] = rel_err(backward(), want["loss"])
     ours = to_hf_names({n: gather_tensor_parallel(p.grad, p) for n, p in model.named_parameters()})
-    ref_grads = {n: p.grad for n, p in hf_model.named_parameters()}
-    errors["missing grads"] = sorted(set(ref_grads) - set(ours))
-    errors["grad"] = max(rel_err(ours[n], g) for n, g in ref_grads.items() if n in ours)
+    errors["missing grads"] = sorted(set(want["grads"]) - set(ours))
+    errors["grad"] = max(rel_err(ours[n], g) for n, g in want["grads"].items() if n in ours)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    ref_opt = torch.optim.AdamW(hf_model.parameters(), lr=1e-3, weight_decay=0.01)
     errors["steps"] = []
-    for _ in range(steps):
+    for step_loss in want["steps"]:
         opt.step()
-        ref_opt.step()
         opt.zero_grad()
-        ref_opt.zero_grad()
-        errors["steps"].append(rel_err(*backward_both()))
+        errors["steps"].append(rel_err(backward(), step_loss))
     return errors
+
+
+def hf_parity_errors(model, hf_model, to_hf_names, tokens: torch.Tensor, vocab: int,
+                     steps: int = 3) -> dict:
+    """`parity_errors` against `hf_model` itself (trained here)."""
+    return parity_errors(model, hf_results(hf_model, tokens, steps), to_hf_names, tokens, vocab)
 
 
 def step_errors(got: dict, want: dict) -> dict:
