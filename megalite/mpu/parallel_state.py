@@ -151,9 +151,8 @@ _groups = _ProcessGroups()
 
 def _new_groups(rank_lists: list[list[int]], my_rank: int, timeout: datetime.timedelta | None,
                 made: dict):
-    """Create every group (all ranks call new_group for each, in order), one per set of ranks:
-    a set another kind of this layout has (`made`) shares its group (at CP 1 the DP x CP group
-    is the DP group; at PP 2 the embedding group, the pipeline one). Mine, or (None, [])."""
+    """Create every group (all ranks call new_group for each, in order) not in `made` (groups
+    by sorted ranks, shared). Mine, or (None, [])."""
     mine = (None, [])
     for ranks in rank_lists:
         key = tuple(sorted(ranks))
@@ -198,18 +197,22 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     _groups.grid = grid
     timeout = process_group_timeout() if timeout_s is None \
         else datetime.timedelta(seconds=timeout_s)
-    g, made = _groups, {}
-    g.tp_group, _ = _new_groups(grid.tensor_groups(), rank, timeout, made)
-    g.dp_group, _ = _new_groups(grid.data_groups(), rank, timeout, made)
-    g.cp_group, _ = _new_groups(grid.context_groups(), rank, timeout, made)
-    g.dp_cp_group, _ = _new_groups(grid.data_context_groups(), rank, timeout, made)
-    g.pp_group, g.pp_ranks = _new_groups(grid.pipeline_groups(), rank, timeout, made)
-    g.model_group, _ = _new_groups(grid.model_groups(), rank, timeout, made)
-    g.embedding_group, g.embedding_ranks = _new_groups(grid.embedding_groups(), rank, timeout,
-                                                       made)
+    # gloo: kinds with the same ranks share a group (DP x CP = DP at CP 1). NCCL: one per kind, as
+    # Megatron (on one communicator the pipeline's sends would queue behind an all-reduce).
+    g, shared, gloo = _groups, {}, dist.get_backend() == "gloo"
+
+    def groups(rank_lists: list[list[int]]):
+        return _new_groups(rank_lists, rank, timeout, shared if gloo else {})
+    g.tp_group, _ = groups(grid.tensor_groups())
+    g.dp_group, _ = groups(grid.data_groups())
+    g.cp_group, _ = groups(grid.context_groups())
+    g.dp_cp_group, _ = groups(grid.data_context_groups())
+    g.pp_group, g.pp_ranks = groups(grid.pipeline_groups())
+    g.model_group, _ = groups(grid.model_groups())
+    g.embedding_group, g.embedding_ranks = groups(grid.embedding_groups())
     if grid.ep > 1:  # EP = 1: no expert groups (see the getters)
-        g.ep_group, _ = _new_groups(grid.expert_model_groups(), rank, timeout, made)
-        g.expert_dp_group, _ = _new_groups(grid.expert_data_groups(), rank, timeout, made)
+        g.ep_group, _ = groups(grid.expert_model_groups())
+        g.expert_dp_group, _ = groups(grid.expert_data_groups())
     g.virtual_rank = 0 if grid.vpp else None
 
 
@@ -230,8 +233,7 @@ def destroy_model_parallel() -> None:
             dist.destroy_process_group(group)
             destroyed.append(group)
         setattr(_groups, name, None)
-    _groups.grid = None
-    _groups.virtual_rank = None
+    _groups.grid = _groups.virtual_rank = None
 
 
 def get_grid() -> GridLayout | None:
@@ -375,13 +377,11 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
-    ranks = _groups.pp_ranks
-    return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
+    return _groups.pp_ranks[(get_pipeline_model_parallel_rank() + 1) % len(_groups.pp_ranks)]
 
 
 def get_pipeline_model_parallel_prev_rank() -> int:
-    ranks = _groups.pp_ranks
-    return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
+    return _groups.pp_ranks[(get_pipeline_model_parallel_rank() - 1) % len(_groups.pp_ranks)]
 
 
 def get_expert_model_parallel_group():
