@@ -25,6 +25,7 @@ Bad paths are one line before training: missing, not writable (simulated: root i
 permissions) and too small for the planner's bytes (free space simulated).
 """
 import contextlib
+import functools
 import os
 import tempfile
 
@@ -359,8 +360,9 @@ def test_nvme_tier_peak_rss_is_below_the_cpu_tiers(tmp_path):
     master, m, v: 12 bytes per parameter) less the nvme tier's buffers, less RSS_SLACK."""
     from megalite.distributed.rank_pool import run_once
     from megalite.planning.state_bytes import state_bytes_per_param, tier_host_bytes
-    cpu = run_once(1, _peak_rss, RSS_MODEL + ["--optimizer-offload-device", "cpu"])[0]
-    nvme = run_once(1, _peak_rss, RSS_MODEL + _nvme(str(tmp_path))[:-1] + [str(RSS_SUB_GROUP)])[0]
+    fresh = functools.partial(run_once, 1, _peak_rss, start_method="spawn")  # nothing preloaded
+    cpu = fresh(RSS_MODEL + ["--optimizer-offload-device", "cpu"])[0]
+    nvme = fresh(RSS_MODEL + _nvme(str(tmp_path))[:-1] + [str(RSS_SUB_GROUP)])[0]
     assert nvme["buffers"] == tier_host_bytes(RSS_SUB_GROUP)
     cpu_host = state_bytes_per_param("fp32", "optim", 1, offload=True).host * nvme["params"]
     margin = cpu_host - nvme["buffers"] - RSS_SLACK
