@@ -5,8 +5,9 @@ wall-clock second, pretrain_gpt on the built-in corpus, one process each (CPU + 
     python3 benchmarks/bench_pld.py                  # the docs' run
     python3 benchmarks/bench_pld.py --train-iters 60 --plot ''   # quicker
 
-The runs have the same model, data, seed and flags and run side by side, one thread each, so
-that all see the same load on a shared machine; the PLD run adds
+The runs have the same model, data, seed and flags, one thread each; none and pld run side by
+side, so that both see the same load on a shared machine (a core each on an idle 2-core one),
+then the third run below alone; the PLD run adds
 --progressive-layer-drop --pld-theta THETA --pld-gamma GAMMA (γ scaled to the run's length,
 DeepSpeed's 0.001 is for ~100k steps). Each run logs every step; the table compares the
 median ms/iter over the second half of the run (θ(t) near θ̄ there) with the share of layers
@@ -90,8 +91,9 @@ def main() -> None:
                  "pld": base + ["--save", f"{root}/pld", "--progressive-layer-drop",
                                 "--pld-theta", str(args.theta), "--pld-gamma", str(args.gamma)],
                  "half depth": half}
-        with ThreadPoolExecutor(len(flags)) as pool:  # side by side: the machine's same load
-            runs = dict(zip(flags, pool.map(run, flags.values())))
+        with ThreadPoolExecutor(2) as pool:  # none and pld side by side: the same load
+            runs = dict(zip(flags, pool.map(run, [flags["none"], flags["pld"]])))
+        runs["half depth"] = run(flags["half depth"])  # then alone: a core each, all three
     table = {}
     for name, result in runs.items():
         late = [s for s in result["steps"] if s[0] > args.train_iters // 2]
