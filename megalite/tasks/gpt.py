@@ -25,6 +25,7 @@ from megalite.data.loader import default_num_workers, token_batches
 from megalite.data.packed import with_document_layout
 from megalite.data.samplers import PretrainingSampler
 from megalite.data.tokenizers import build_tokenizer
+from megalite.layout import global_batch_size
 from megalite.models import GPTModel
 from megalite.mpu import parallel_state as ps
 from megalite.mpu.context_parallel import chunk_positions, get_batch_on_this_cp_rank
@@ -184,7 +185,11 @@ def datasets_provider(configs: Configs, num_samples: tuple[int, int, int], consu
         batches = token_batches(dataset, sampler, workers, device.current_device())
         return with_document_layout(batches, eod, d.reset_position_ids, d.reset_attention_mask,
                                     d.eod_mask_loss) if packed else batches
-    return iterator(train, consumed), iterator(valid, 0)
+    # a resumed run's validations go on after those its first part made (Megatron's
+    # consumed_valid_samples): one per --eval-interval steps, --eval-iters global batches each
+    batch = global_batch_size(t, size)
+    done = consumed // batch // t.eval_interval if t.eval_interval else 0
+    return iterator(train, consumed), iterator(valid, done * t.eval_iters * batch)
 
 
 class GPTPretraining(PretrainTask):

@@ -42,11 +42,12 @@ from megalite.training.task import Run, Task
 @dataclass
 class TrainResult:
     """What a run leaves: this rank's model chunks, the mean loss and the global gradient norm
-    (before clipping) of each iteration."""
+    (before clipping) of each iteration, the validation loss of each validation."""
 
     model: list[torch.nn.Module]
     losses: dict[int, float]
     grad_norms: dict[int, float | None]
+    validation_losses: dict[int, float]
 
 
 
@@ -219,7 +220,7 @@ def train(configs: Configs, task: Task) -> TrainResult:
     finally:
         run.logger.close()
         run.close_tiers()
-    return TrainResult(run.model, run.losses, run.grad_norms)
+    return TrainResult(run.model, run.losses, run.grad_norms, run.validation_losses)
 
 
 
@@ -300,6 +301,7 @@ def validate(run: Run) -> float | None:
                          layout)[task.loss_key]
         loss = total / (t.eval_iters * layout.num_microbatches * layout.data_parallel_size)
         run.logger.validation(run.iteration, loss)
+        run.validation_losses[run.iteration] = loss
     run.task.validate(run)
     return loss
 

@@ -94,6 +94,7 @@ class Run:
     consumed: int = 0  # training samples over all DP ranks
     losses: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float | None] = field(default_factory=dict)  # None: step skipped
+    validation_losses: dict[int, float] = field(default_factory=dict)  # by iteration
     saved_at: int | None = None
     pending_save: Any = None  # checkpoint.PendingSave of an --async-save in flight
     in_flight: Any = None  # 2bw: the executor's InFlight carried between steps (else None)
