@@ -58,10 +58,11 @@ def test_loss_curve_equals_single_process(prefix, single, tmp_path, world, layou
     (1, FP16),
 ])
 def test_exact_resume(tmp_path, prefix, world, layout):
-    straight, first, second = run_on_ranks(world, _straight_and_resumed, prefix, str(tmp_path),
-                                           layout)[0]
+    (straight, valid), _, (second, second_valid) = run_on_ranks(
+        world, _straight_and_resumed, prefix, str(tmp_path), layout)[0]
     assert sorted(second) == [4, 5, 6]
     assert [second[i] for i in (4, 5, 6)] == [straight[i] for i in (4, 5, 6)], (straight, second)
+    assert second_valid == {4: valid[4], 6: valid[6]}, (valid, second_valid)
 
 
 def _first_loss_after_load(prefix: str, root: str, name: str, layout: list[str]) -> float:
