@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common import benchmark_parser, machine_line, plot_curves, thread_schedstat, turn_order
+from common import benchmark_parser, machine_line, plot_curves, schedstat, turn_order
 
 SCHEDULES = ("1f1b", "zb-h1", "2bw", "2bw aligned")  # aligned: clipping (step_alignment)
 LOSS = re.compile(r"iteration\s+(\d+)/.*?lm loss ([0-9.E+-]+)")
@@ -89,12 +89,12 @@ def measure(args, m: int, schedule: str) -> dict:
                 in_flight.drain = step == total - 1
                 in_flight.aligned = in_flight.drain or bool(aligned)
             busy[0] = 0.0
-            start, sched = time.perf_counter(), thread_schedstat()
+            start, sched = time.perf_counter(), schedstat()
             train_step(forward_step, batches, model, optimizer, layout, in_flight=in_flight)
             if step >= args.warmup and step < total - 1:  # 2bw's last step drains
                 times.append(time.perf_counter() - start)
                 computes.append(busy[0])
-                running, runnable = (b - a for a, b in zip(sched, thread_schedstat()))
+                running, runnable = (b - a for a, b in zip(sched, schedstat()))
                 sleeps.append((times[-1] - running - runnable) / (running + runnable))
     destroy_model_parallel()
     return {"times": times, "busy": computes, "sleeps": sleeps}

@@ -23,7 +23,7 @@ import resource
 
 import torch
 import torch.distributed as dist
-from common import benchmark_parser, machine_line, median_seconds, turn_order
+from common import benchmark_parser, machine_line, median_seconds, timed, turn_order
 
 from megalite.distributed.compressed import CompressedAllReduce, Pieces
 from megalite.distributed.rank_pool import RankPool
@@ -81,7 +81,7 @@ def profile(elements: int, world: int, steps: int) -> None:
     print(f"one rank's compute of DP {world} on {elements:,} elements, 1 thread, best of {steps}")
     total = 0.0
     for name, stage in stages.items():
-        best = min(median_seconds(lambda _: stage(), 1, warmup=0) for _ in range(steps))
+        best = min(timed(stage)[0] for _ in range(steps))
         total += best
         print(f"{name:40} {best * 1e3:9.1f} ms {best * 1e9 / elements:6.2f} ns/element")
     print(f"{'total':40} {total * 1e3:9.1f} ms {total * 1e9 / elements:6.2f} ns/element")

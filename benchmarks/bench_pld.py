@@ -31,17 +31,11 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from common import benchmark_parser, machine_line, plot_curves
+from common import benchmark_parser, machine_line, plot_curves, schedstat
 
 ITERATION = re.compile(r"iteration\s+(\d+)/.*?(?:layers computed ([0-9.]+) \| )?ms/iter (\d+)"
                        r".*?TFLOP/s/device ([0-9.]+)")
 VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([0-9.E+-]+)")
-
-
-def cpu_seconds(pid: int) -> float:
-    """Seconds the main thread of process `pid` has been on a CPU (Linux schedstat)."""
-    with open(f"/proc/{pid}/schedstat") as f:
-        return int(f.read().split()[0]) / 1e9
 
 
 def run(flags: list[str]) -> dict:
@@ -56,7 +50,7 @@ def run(flags: list[str]) -> dict:
     steps, validations, last = [], [], None
     for line in process.stdout:
         if match := ITERATION.search(line):
-            iteration, cpu = int(match[1]), cpu_seconds(process.pid)
+            iteration, cpu = int(match[1]), schedstat(process.pid)[0]
             cpu_ms = (cpu - last[1]) * 1e3 / (iteration - last[0]) if last else float("nan")
             last = iteration, cpu
             steps.append((iteration, float(match[2] or 1.0), float(match[3]), cpu_ms,

@@ -68,12 +68,15 @@ def machine_line() -> str:
     return f"load average {load} on {os.cpu_count()} cores"
 
 
-def thread_schedstat() -> tuple[float, float]:
-    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far,
-    from Linux's /proc schedstat; what is left of a span's wall time the thread slept
-    (blocked, e.g. waiting for a message). (0, 0) where the file does not exist."""
+def schedstat(pid: int | None = None) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) so far of the calling thread, or
+    of process `pid`'s main thread, from Linux's /proc schedstat; what is left of a span's wall
+    time the thread slept (blocked, e.g. waiting for a message). (0, 0) where the file does
+    not exist."""
+    path = f"/proc/self/task/{threading.get_native_id()}/schedstat" if pid is None else \
+        f"/proc/{pid}/schedstat"
     try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+        with open(path) as f:
             running, waiting = f.read().split()[:2]
     except OSError:
         return 0.0, 0.0

@@ -120,8 +120,14 @@ def simulate_steps(tables: list[Table], microbatches: int, aligned: bool = True)
         for rank, rank_spans in enumerate(timeline.spans):
             spans[rank] += [dataclasses.replace(s, microbatch=s.microbatch + step * microbatches)
                             for s in rank_spans]
-        clock = [timeline.makespan] * len(clock) if aligned else list(timeline.ends)
+        clock = _next_start(timeline, aligned)
     return Timeline(spans, max(clock), tuple(clock))
+
+
+def _next_start(timeline: Timeline, aligned: bool) -> list[Fraction]:
+    """Per rank, when the next step starts after `timeline`: when every rank has finished
+    (`aligned`: a collective over all stages ends the step), else when this rank has."""
+    return [timeline.makespan] * len(timeline.ends) if aligned else list(timeline.ends)
 
 
 def steady_state_bubble(p: int, m: int, aligned: bool, steps: int = 4) -> Fraction:
@@ -134,7 +140,7 @@ def steady_state_bubble(p: int, m: int, aligned: bool, steps: int = 4) -> Fracti
     clock, previous = [Fraction(0)] * p, []
     for _ in range(steps):
         timeline, previous = simulate(segment, start=clock), clock
-        clock = [timeline.makespan] * p if aligned else list(timeline.ends)
+        clock = _next_start(timeline, aligned)
     busy = [sum((s.end - s.start for s in spans), Fraction(0)) for spans in timeline.spans]
     return sum(((b - a - c) / c for a, b, c in zip(previous, clock, busy)), Fraction(0)) / p
 
@@ -213,13 +219,12 @@ def pipeline_summary(schedule: str, p: int, m: int, v: int = 1,
     table = build_schedule(schedule, p, m, v)
     peaks = ", ".join(f"{float(peak_inflight_microbatches(table, r)):g}" for r in range(p))
     kind, where = SCHEDULE_KINDS[schedule], ""
+    bubble = schedule_bubble(kind, p, m, v, aligned=bool(alignment)) if kind.across_steps \
+        else bubble_fraction(table)
     if kind.across_steps:
-        bubble = schedule_bubble(kind, p, m, v, aligned=bool(alignment))
         where = (f" per step, the stages meeting at each step's end ({', '.join(alignment)})"
                  if alignment else " in the steady state across steps (the stages meet only "
                  "at log steps, evaluations, saves and the end)")
-    else:
-        bubble = bubble_fraction(table)
     return (f"pipeline: schedule {schedule} | p {p}, v {v}, m {m} microbatches | bubble "
             f"{float(bubble):.1%} of compute (simulated, F = B = W){where} | peak "
             f"in-flight microbatches per rank: {peaks}")

@@ -80,10 +80,15 @@ class ExitSignalHandler:
     def flag(self, device: torch.device) -> torch.Tensor:
         """[1] on `device`: 1.0 on every rank once any rank got SIGTERM (always 0.0, without
         communication, when disabled)."""
+        return self._all_reduced(device, async_op=False)[0]
+
+    def _all_reduced(self, device: torch.device, async_op: bool) -> tuple[torch.Tensor, object]:
+        """(the flag [1], its MAX all-reduce's work when `async_op`); no collective when
+        disabled."""
         flag = torch.full((1,), 1.0 if self.received else 0.0, device=device)
-        if self.enabled:
-            comm.all_reduce(flag, dist.group.WORLD, op=dist.ReduceOp.MAX)
-        return flag
+        work = comm.all_reduce(flag, dist.group.WORLD, op=dist.ReduceOp.MAX,
+                               async_op=async_op) if self.enabled else None
+        return flag, work
 
     def settle(self, flag: float) -> None:
         """Take the host value of this step's `flag()`."""
@@ -94,9 +99,7 @@ class ExitSignalHandler:
         (PipeDream-2BW between aligned steps, whose ranks do not meet); the next step's
         `settle_posted` takes its value."""
         if self.enabled:
-            flag = torch.full((1,), 1.0 if self.received else 0.0, device=device)
-            self._posted = flag, comm.all_reduce(flag, dist.group.WORLD,
-                                                 op=dist.ReduceOp.MAX, async_op=True)
+            self._posted = self._all_reduced(device, async_op=True)
 
     def settle_posted(self) -> None:
         """Wait for the flag `post_flag` started (if any) and take its value."""
