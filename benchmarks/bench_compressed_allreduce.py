@@ -8,7 +8,9 @@ per rank, reduced by:
 
 - the fp32 all-reduce (megalite's no_shard bucket reduction, one bucket);
 - the bucketed reduce-scatter (the distributed optimizer's, `--bucket-size` buckets);
-- the 1-bit compressed all-reduce with error feedback (megalite.distributed.compressed).
+- the 1-bit compressed all-reduce with error feedback (megalite.distributed.compressed), its
+  host work in the native kernels (signs.c) and in torch ops (as on CUDA, or with no C
+  compiler).
 
 Bytes are megalite.mpu.comm's payload counts per rank per reduction; seconds the median of
 `--steps` reductions after `--warmup` (the ranks start together), the best of two rounds;
@@ -17,7 +19,7 @@ padded buckets). Prints figures; asserts nothing.
 
 --profile: one rank's share of the compute instead, in this process on one thread: each stage
 of a call (the collectives left out, this rank's own payload standing for the w received),
-the best of `--steps`, in ms and ns per element.
+the best of `--steps`, in ms, native kernels and torch ops side by side.
 """
 import resource
 
@@ -37,7 +39,8 @@ def measure(elements: int, bucket_size: int, steps: int, warmup: int) -> dict:
     padded = torch.zeros(-(-elements // per_bucket) * per_bucket)
     flat = padded[:elements]
     flat.normal_(generator=torch.Generator().manual_seed(dist.get_rank()))
-    compressed = CompressedAllReduce(elements, world, flat.device)
+    native, torch_ops = (CompressedAllReduce(elements, world, flat.device, native=flag)
+                         for flag in (True, False))
 
     def reduce_scatter() -> None:
         rank = dist.get_rank()
@@ -47,7 +50,8 @@ def measure(elements: int, bucket_size: int, steps: int, warmup: int) -> dict:
 
     methods = {"fp32 all-reduce": lambda: comm.all_reduce(flat, group),
                "bucketed reduce-scatter": reduce_scatter,
-               "1-bit compressed all-reduce": lambda: compressed(flat, group)}
+               "1-bit compressed (native)": lambda: native(flat, group),
+               "1-bit compressed (torch ops)": lambda: torch_ops(flat, group)}
     results = {}
     for round_index in range(2):
         for name in turn_order(methods, round_index):
@@ -61,30 +65,35 @@ def measure(elements: int, bucket_size: int, steps: int, warmup: int) -> dict:
 
 
 def profile(elements: int, world: int, steps: int) -> None:
-    """Print the best seconds of each stage of one rank's compute on `elements`."""
+    """Print the best seconds of each stage of one rank's compute on `elements`, through the
+    native kernels and through the torch ops."""
     torch.set_num_threads(1)
     device = torch.device("cpu")
-    reducer = CompressedAllReduce(elements, world, device)
-    row = reducer.lengths[0]
-    received, alone = (Pieces([row] * world, reducer.per_row, device),
-                       Pieces([row], reducer.per_row, device))
     x = torch.randn(elements)
-    payload = reducer.pieces.compress_(reducer.worker_error.view(world, -1))
-    stages = {
-        "worker: x added into the error": lambda: reducer.worker_error[:elements].add_(x),
-        "worker: compress_ (norms, signs, error)":
-            lambda: reducer.pieces.compress_(reducer.worker_error.view(world, -1)),
-        "server: decompress w chunks + mean": lambda: reducer.server_error.add_(
-            received.decompress(payload).view(world, -1).mean(0)),
-        "server: compress_ its chunk": lambda: alone.compress_(reducer.server_error.view(1, -1)),
-        "all: decompress the gathered into x": lambda: reducer.pieces.decompress(payload, x)}
-    print(f"one rank's compute of DP {world} on {elements:,} elements, 1 thread, best of {steps}")
-    total = 0.0
-    for name, stage in stages.items():
-        best = min(timed(stage)[0] for _ in range(steps))
-        total += best
-        print(f"{name:40} {best * 1e3:9.1f} ms {best * 1e9 / elements:6.2f} ns/element")
-    print(f"{'total':40} {total * 1e3:9.1f} ms {total * 1e9 / elements:6.2f} ns/element")
+    columns = []
+    for native in (True, False):
+        reducer = CompressedAllReduce(elements, world, device, native=native)
+        row = reducer.lengths[0]
+        received, alone = (Pieces([row] * world, reducer.per_row, device, native),
+                           Pieces([row], reducer.per_row, device, native))
+        payload = reducer.pieces.compress_(reducer.worker_error.view(world, -1))
+        mean = received.decompress_mean(payload).clone()
+        stages = {
+            "worker: x added, compressed": lambda: reducer.pieces.compress_(
+                reducer.worker_error.view(world, -1), added=x),
+            "server: mean of w decompressed chunks": lambda: received.decompress_mean(payload),
+            "server: mean added, compressed": lambda: alone.compress_(
+                reducer.server_error.view(1, -1), added=mean),
+            "all: the gathered decompressed into x": lambda: reducer.pieces.decompress(
+                payload, x)}
+        columns.append({name: min(timed(stage)[0] for _ in range(steps))
+                        for name, stage in stages.items()})
+    print(f"one rank's compute of DP {world} on {elements:,} elements, 1 thread, best of "
+          f"{steps}, ms")
+    print(f"{'stage':40} {'native':>9} {'torch ops':>10}")
+    for name in [*columns[0], "total"]:
+        native, ops = (column.get(name, sum(column.values())) for column in columns)
+        print(f"{name:40} {native * 1e3:9.1f} {ops * 1e3:10.1f}")
 
 
 def main() -> None:

@@ -8,14 +8,19 @@ says; infinities, denormals, values around 1):
   through a table per piece (long pieces) and through one table times each element's scale;
   the norms through a list of views and through one segment reduction (many pieces);
 - Pieces.compress_: the packed signs and ||piece|| / sqrt(piece size) per piece in the
-  payload, and x left as x - sign(x) scale.
+  payload, and x left as x - sign(x) scale;
+- Pieces.decompress_mean: the rows' mean of the decompressed values;
+
+each through the torch ops and through the native kernels (signs.c, where a C compiler is).
 
 The single-process pieces only; the collectives are test_onebit.py's.
 """
+import shutil
+
 import pytest
 import torch
 
-from megalite.distributed import compressed
+from megalite.distributed import compressed, native_signs
 from megalite.distributed.compressed import BITS, Pieces, pack_signs
 
 EDGES = [0.0, -0.0, float("inf"), -float("inf"), 1e-45, -1e-45, 1.0, -1.0, 3e38, -3e38]
@@ -53,15 +58,21 @@ def test_pack_signs_matches_the_bytes_of_python_ints():
     assert pack_signs(torch.tensor([-0.0] * 8)).item() == 255  # -0.0 >= 0: +1
 
 
-@pytest.mark.parametrize("table_min_length,many_pieces",
-                         ((1, 4096), (10 ** 9, 4096), (10 ** 9, 1)))
-def test_decompress_and_compress_match_the_elementwise_reference(table_min_length, many_pieces,
-                                                                 monkeypatch):
-    """A table per piece or one shared; norms by a list of views or a segment reduction."""
+@pytest.mark.parametrize("native,table_min_length,many_pieces",
+                         ((False, 1, 4096), (False, 10 ** 9, 4096), (False, 10 ** 9, 1),
+                          (True, 10 ** 9, 4096)))
+def test_decompress_and_compress_match_the_elementwise_reference(native, table_min_length,
+                                                                 many_pieces, monkeypatch):
+    """The torch ops (a table per piece or one shared; norms by a list of views or a segment
+    reduction) and the native kernels (signs.c)."""
+    if native and native_signs.kernels() is None:
+        assert not shutil.which("cc"), "a C compiler is here but signs.c did not build"
+        pytest.skip("no C compiler: the native kernels are not built")
     monkeypatch.setattr(compressed, "TABLE_MIN_LENGTH", table_min_length)
     monkeypatch.setattr(compressed, "MANY_PIECES", many_pieces)
-    pieces = Pieces(ROWS, per_row=4, device=torch.device("cpu"))
-    assert pieces.piece_tables == (table_min_length == 1)
+    pieces = Pieces(ROWS, per_row=4, device=torch.device("cpu"), native=native)
+    assert (pieces.native is not None) == native
+    assert native or pieces.piece_tables == (table_min_length == 1)
     width, count = sum(ROWS[0]), sum(len(row) for row in ROWS)
     x = values(len(ROWS) * width, seed=1)
     x[5:25] = 0.0  # a piece of zeros: scale 0, sent as +-0.0
@@ -91,3 +102,48 @@ def test_decompress_and_compress_match_the_elementwise_reference(table_min_lengt
         out = torch.full((numel,), 7.0)
         pieces.decompress(payload, out)
         assert torch.equal(out.view(torch.int32), want[:numel].view(torch.int32))
+    # the server's mean over the rows (its sum's rounding order is the path's own)
+    torch.testing.assert_close(pieces.decompress_mean(payload),
+                               want.view(len(ROWS), width).mean(0), rtol=1e-6, atol=0,
+                               equal_nan=True)
+
+
+def test_native_kernels_equal_the_torch_ops_on_long_pieces():
+    """Pieces of 256 whole bytes and more (signs.c's byte -> values tables), cut inside bytes:
+    the same payload decompresses bit for bit alike; compressing the same rows gives the same
+    signs and, for the same scales, the same errors."""
+    if native_signs.kernels() is None:
+        assert not shutil.which("cc"), "a C compiler is here but signs.c did not build"
+        pytest.skip("no C compiler: the native kernels are not built")
+    rows = [[4101, 3, 4200], [8304]]
+    native, ops = (Pieces(rows, per_row=3, device=torch.device("cpu"), native=flag)
+                   for flag in (True, False))
+    x = values(2 * 8304, seed=2).clamp(-1e3, 1e3).view(2, -1)
+    x_ops, x_again = x.clone(), x.clone()
+    payload, payload_ops = native.compress_(x), ops.compress_(x_ops)
+    sign_bytes = 8304 // BITS
+    assert torch.equal(payload[:, :sign_bytes], payload_ops[:, :sign_bytes])
+    torch.testing.assert_close(native.scales_of(payload), ops.scales_of(payload_ops),
+                               rtol=1e-6, atol=0)
+    for out in (None, torch.empty(2 * 8304 - 5)):
+        got = native.decompress(payload_ops, out).clone()
+        assert torch.equal(got, ops.decompress(payload_ops, out))
+    torch.testing.assert_close(native.decompress_mean(payload_ops).clone(),  # both: scratch
+                               ops.decompress_mean(payload_ops), rtol=1e-6, atol=0)
+    native_signs.compress(native.native, x_again, native.lengths, ops.scales_of(payload_ops),
+                          payload)
+    assert torch.equal(x_again, x_ops)
+    assert torch.equal(payload[:, :sign_bytes], payload_ops[:, :sign_bytes])
+
+
+def test_a_failed_build_falls_back_to_the_torch_ops_with_one_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails
+    monkeypatch.setenv("MEGALITE_CACHE", str(tmp_path))
+    native_signs.kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="building signs.c with false failed"):
+            assert native_signs.kernels() is None
+        assert Pieces(ROWS, per_row=4, device=torch.device("cpu")).native is None
+    finally:
+        native_signs.kernels.cache_clear()
+    assert list(tmp_path.iterdir()) == []  # nothing half-built left behind

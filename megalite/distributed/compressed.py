@@ -31,7 +31,8 @@ signs are compared into bools and packed eight at a time as one int64 times a co
 decompressing is one lookup per byte in a [256, 8] table of +-its piece's scale while pieces
 are long (8 KiB per piece), else in one table of +-1 times each element's scale; the error
 keeps x minus that. Work buffers are reused across calls (`scratch`). Up to MANY_PIECES
-pieces the results are bit for bit those of the plain where / repeat_interleave form.
+pieces the results are bit for bit those of the plain where / repeat_interleave form. On the
+host the same stages run as native_signs' C kernels, one pass each, by default.
 """
 import bisect
 import functools
@@ -40,6 +41,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from megalite.distributed import native_signs
 from megalite.mpu import comm
 
 BITS = 8
@@ -120,10 +122,16 @@ class Pieces:
     +-its scale (8 KiB; `byte_counts`: how many bytes each piece's table serves, a byte going
     to the piece of its first element; the elements of a piece that shares its first byte
     with an earlier piece, `straddling` [e] in `straddling_pieces` [e], take their own scale
-    after). Short pieces share one table of +-1, times each element's scale."""
+    after). Short pieces share one table of +-1, times each element's scale.
 
-    def __init__(self, rows: list[list[int]], per_row: int, device: torch.device) -> None:
+    On the host, with `native` and a C compiler, the same work is native_signs' one pass per
+    stage instead (the signs and errors bit for bit the torch ops' for the same scales; the
+    norms summed in another order)."""
+
+    def __init__(self, rows: list[list[int]], per_row: int, device: torch.device,
+                 native: bool = True) -> None:
         self.rows, self.per_row, self.width = len(rows), per_row, sum(rows[0])
+        self.native = native_signs.kernels() if native and device.type == "cpu" else None
         self.sign_bytes = self.width // BITS
         self.sizes = [n for row in rows for n in row]
         self.lengths = torch.tensor(self.sizes, device=device)
@@ -142,25 +150,46 @@ class Pieces:
         self.straddling_pieces = torch.tensor([p for _, p in pairs], dtype=torch.long,
                                               device=device)
 
-    def compress_(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows x [r, c] (contiguous) -> payload [r, c / 8 + 4 P] uint8 (packed signs, then
-        each piece's fp32 scale ||piece|| / sqrt(its length)); x becomes what the 1-bit
-        approximation sign(x) scale lost."""
-        if len(self.sizes) <= MANY_PIECES:
-            norms = torch.stack(torch._foreach_norm(x.view(-1).split(self.sizes)))
-        else:
-            norms = torch.segment_reduce(x.view(-1).square(), "sum", lengths=self.lengths)
-            norms = norms.sqrt()
+    def compress_(self, x: torch.Tensor, added: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows x [r, c] (fp32, contiguous), `added` [<= r c] added into their start first
+        -> payload [r, c / 8 + 4 P] uint8 (packed signs, then each piece's fp32 scale
+        ||piece|| / sqrt(its length)); x becomes what the 1-bit approximation sign(x) scale
+        lost."""
+        if added is not None and (self.native is None or added.dtype != torch.float32
+                                  or not added.is_contiguous()):
+            x.view(-1)[:added.numel()] += added
+            added = None
+        scales = self._add_and_scale_(x, added)
         table = torch.zeros(self.rows * self.per_row, device=x.device)
-        table[self.slots] = norms / self.lengths.sqrt()
+        table[self.slots] = scales
         payload = torch.empty(self.rows, self.sign_bytes + SCALE_BYTES * self.per_row,
                               dtype=torch.uint8, device=x.device)
         payload[:, self.sign_bytes:] = table.view(self.rows, -1).view(torch.uint8)
+        if self.native:
+            native_signs.compress(self.native, x, self.lengths, scales, payload)
+            return payload
         bits = scratch(x.numel(), torch.bool, x.device)
         torch.ge(x.view(-1), 0, out=bits)
         payload[:, :self.sign_bytes] = pack_bits_(bits.view(self.rows, -1))
         x.view(-1).sub_(self.decompress(payload))
         return payload
+
+    def _add_and_scale_(self, x: torch.Tensor, added: torch.Tensor | None) -> torch.Tensor:
+        """Each piece's ||piece|| / sqrt(its length) [pieces] fp32, of rows x [r, c] after
+        `added` (native only, else None) is added into their start."""
+        if self.native:
+            sums = native_signs.add_sumsq(self.native, x, added, self.lengths)
+            return sums.sqrt().div_(self.lengths.double().sqrt()).float()
+        if len(self.sizes) <= MANY_PIECES:
+            norms = torch.stack(torch._foreach_norm(x.view(-1).split(self.sizes)))
+        else:
+            norms = torch.segment_reduce(x.view(-1).square(), "sum", lengths=self.lengths)
+            norms = norms.sqrt()
+        return norms / self.lengths.sqrt()
+
+    def scales_of(self, payload: torch.Tensor) -> torch.Tensor:
+        """Payload rows [r, c / 8 + 4 P] uint8 -> their pieces' scales [pieces] fp32."""
+        return payload[:, self.sign_bytes:].reshape(-1).clone().view(torch.float32)[self.slots]
 
     def decompress(self, payload: torch.Tensor, out: torch.Tensor | None = None
                    ) -> torch.Tensor:
@@ -169,8 +198,10 @@ class Pieces:
         into the fp32 `scratch` (valid until its next use)."""
         if out is None:
             out = scratch(self.rows * self.width, torch.float32, payload.device)
-        scales = payload[:, self.sign_bytes:].reshape(-1).clone().view(torch.float32)
-        scales = scales[self.slots]
+        scales = self.scales_of(payload)
+        if self.native:
+            native_signs.decompress(self.native, payload, self.width, self.lengths, scales, out)
+            return out
         index = scratch(self.rows * self.sign_bytes, torch.int32, payload.device)
         index.view(self.rows, -1).copy_(payload[:, :self.sign_bytes])
         tables = sign_table(payload.device)
@@ -189,6 +220,16 @@ class Pieces:
         out[elements] = torch.copysign(scales[self.straddling_pieces[:fixed]], out[elements])
         return out
 
+    def decompress_mean(self, payload: torch.Tensor) -> torch.Tensor:
+        """Payload rows [r, c / 8 + 4 P] uint8 -> the mean of their values over the rows,
+        [c] fp32 (in the fp32 `scratch`, valid until its next use)."""
+        if not self.native:
+            return self.decompress(payload).view(self.rows, -1).mean(0)
+        out = scratch(self.width, torch.float32, payload.device).zero_()
+        native_signs.decompress(self.native, payload, self.width, self.lengths,
+                                self.scales_of(payload) / self.rows, out, fold=True)
+        return out
+
 
 class CompressedAllReduce:
     """The averaging of one flat tensor [n] (tensors of `sizes` elements, concatenated) over
@@ -196,14 +237,14 @@ class CompressedAllReduce:
     `server_error` [c] for the chunk this rank serves (group rank k serves chunk k)."""
 
     def __init__(self, n: int, world: int, device: torch.device,
-                 sizes: list[int] | None = None, block: int = 0) -> None:
+                 sizes: list[int] | None = None, block: int = 0, native: bool = True) -> None:
         self.n, self.world, self.chunk = n, world, chunk_size(n, world)
-        self.sizes, self.block = sizes, block
+        self.sizes, self.block, self.native = sizes, block, native
         self.worker_error = torch.zeros(world * self.chunk, device=device)
         self.server_error = torch.zeros(self.chunk, device=device)
         self.lengths = piece_lengths(n, world, sizes, block)
         self.per_row = max(len(row) for row in self.lengths)
-        self.pieces = Pieces(self.lengths, self.per_row, device)
+        self.pieces = Pieces(self.lengths, self.per_row, device, native)
         self.served: tuple[Pieces, Pieces] | None = None  # built on the first call
 
     def bytes_sent(self) -> int:
@@ -223,16 +264,16 @@ class CompressedAllReduce:
     def __call__(self, x: torch.Tensor, group) -> None:
         """Replace x [n] (the same n on every rank of `group`) by the 1-bit average over
         `group`, the same values on every rank; updates both error buffers."""
-        self.worker_error[:self.n] += x  # the buffer sent, then what its compression lost
-        payload = self.pieces.compress_(self.worker_error.view(self.world, -1))
+        # the worker error: x added, sent, then what its compression lost
+        payload = self.pieces.compress_(self.worker_error.view(self.world, -1), added=x)
         splits = [1] * self.world
         received = comm.all_to_all_single(payload, splits, splits, group)
         if self.served is None:  # this rank's chunk: as received from w ranks, then alone
             row = self.lengths[dist.get_rank(group)]
-            self.served = (Pieces([row] * self.world, self.per_row, x.device),
-                           Pieces([row], self.per_row, x.device))
-        self.server_error += self.served[0].decompress(received).view(self.world, -1).mean(0)
-        payload = self.served[1].compress_(self.server_error.view(1, -1))
+            self.served = (Pieces([row] * self.world, self.per_row, x.device, self.native),
+                           Pieces([row], self.per_row, x.device, self.native))
+        mean = self.served[0].decompress_mean(received)
+        payload = self.served[1].compress_(self.server_error.view(1, -1), added=mean)
         gathered = torch.empty(self.world, payload.shape[-1], dtype=torch.uint8,
                                device=x.device)
         comm.all_gather_into(gathered, payload, group)

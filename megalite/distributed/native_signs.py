@@ -1,0 +1,114 @@
+"""The compressed all-reduce's host kernels (signs.c beside this file), compiled once per
+machine with the C compiler (`cc`, or $CC) and loaded with ctypes.
+
+Each stage of a call is one pass over memory in C where the torch ops take two to four (add
+then norms; compare, pack, look up, subtract), on fp32 CPU tensors; CUDA tensors keep the
+torch ops. The library is cached under $MEGALITE_CACHE (default ~/.cache/megalite), named by
+the hash of the source, the flags and this CPU's model and flags (it is built for this CPU,
+-march=native); ranks that build it at once each write their own file and rename it into
+place. Without a compiler, or if the build fails, `kernels()` is None after one warning line
+and compressed.Pieces uses the torch ops.
+"""
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("signs.c")
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+SIGNATURES = {
+    "add_sumsq": [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER],
+    "compress": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT],
+    "decompress": [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, ctypes.c_int],
+}
+
+
+def _cpu_identity() -> str:
+    """This CPU's model name and flags (what -march=native builds for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "".join(line for line in lines[:40] if line.startswith(("model name", "flags")))
+
+
+@functools.cache
+def kernels() -> ctypes.CDLL | None:
+    """signs.c's functions for this machine, built on first use; None where no C compiler
+    builds them (one warning)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(),
+                                     _cpu_identity().encode(), str(compiler).encode()]))
+    cache = Path(os.environ.get("MEGALITE_CACHE", Path.home() / ".cache" / "megalite"))
+    library = cache / f"signs-{key.hexdigest()[:16]}.so"
+    if not library.exists():
+        if compiler is None:
+            warnings.warn("megalite: no C compiler (cc) for the compressed all-reduce's host "
+                          "kernels; using torch ops (2-3x slower on CPU)")
+            return None
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            partial.unlink(missing_ok=True)
+            warnings.warn(f"megalite: building {SOURCE.name} with {compiler} failed "
+                          f"({built.stderr.strip()[:200]}); using torch ops")
+            return None
+        os.replace(partial, library)
+    lib = ctypes.CDLL(str(library))
+    for name, argtypes in SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+    return lib
+
+
+def _check(**tensors: tuple[torch.Tensor | None, torch.dtype]) -> None:
+    """The C side trusts its pointers: each tensor on the host, contiguous, of its dtype."""
+    for name, (tensor, dtype) in tensors.items():
+        if tensor is not None and (tensor.device.type != "cpu" or tensor.dtype != dtype
+                                   or not tensor.is_contiguous()):
+            raise ValueError(f"native_signs: {name} must be a contiguous {dtype} host tensor, "
+                             f"got {tensor.dtype} on {tensor.device}")
+
+
+def add_sumsq(lib: ctypes.CDLL, x: torch.Tensor, added: torch.Tensor | None,
+              lengths: torch.Tensor) -> torch.Tensor:
+    """x [m] (fp32, contiguous) += added [<= m] at its start; returns the fp64 sum of squares
+    of x's pieces of `lengths` (int64) [pieces]."""
+    _check(x=(x, torch.float32), added=(added, torch.float32), lengths=(lengths, torch.int64))
+    sums = torch.empty(len(lengths), dtype=torch.float64)
+    count = 0 if added is None else added.numel()
+    lib.add_sumsq(x.data_ptr(), None if added is None else added.data_ptr(), count,
+                  lengths.data_ptr(), len(lengths), sums.data_ptr())
+    return sums
+
+
+def compress(lib: ctypes.CDLL, x: torch.Tensor, lengths: torch.Tensor, scales: torch.Tensor,
+             payload: torch.Tensor) -> None:
+    """Rows x [r, c] (fp32, contiguous): their packed signs into payload [r, >= c / 8]
+    (uint8, contiguous) and x -= sign(x) * its piece's scale (`scales` fp32 [pieces])."""
+    _check(x=(x, torch.float32), lengths=(lengths, torch.int64), scales=(scales, torch.float32),
+           payload=(payload, torch.uint8))
+    lib.compress(x.data_ptr(), x.shape[-1], lengths.data_ptr(), len(lengths), scales.data_ptr(),
+                 payload.data_ptr(), payload.shape[-1])
+
+
+def decompress(lib: ctypes.CDLL, payload: torch.Tensor, width: int, lengths: torch.Tensor,
+               scales: torch.Tensor, out: torch.Tensor, fold: bool = False) -> None:
+    """Rows of `width` elements from payload [r, >= width / 8]: the first out.numel() values
+    sign * scale into out (fp32, contiguous); with `fold`, every row's values added into out
+    [width] instead."""
+    _check(payload=(payload, torch.uint8), lengths=(lengths, torch.int64),
+           scales=(scales, torch.float32), out=(out, torch.float32))
+    count = payload.shape[0] * width if fold else out.numel()
+    lib.decompress(payload.data_ptr(), payload.shape[-1], width, lengths.data_ptr(),
+                   len(lengths), scales.data_ptr(), out.data_ptr(), count, int(fold))
