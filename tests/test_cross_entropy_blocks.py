@@ -24,3 +24,12 @@ def test_small_row_blocks_give_the_full_cross_entropy(monkeypatch, dtype, grad_t
     torch.testing.assert_close(loss, want.view(37, 5), rtol=1e-6, atol=1e-6)
     assert logits.grad.dtype == dtype
     torch.testing.assert_close(logits.grad.float(), reference.grad, rtol=0, atol=grad_tol)
+
+
+def test_a_second_backward_of_an_fp32_loss_is_one_clear_error():
+    """fp32: backward turns the kept softmax into the grad in place, so it runs once."""
+    logits = torch.randn(4, 2, 8).requires_grad_()
+    loss = cross_entropy.vocab_parallel_cross_entropy(logits, torch.zeros(4, 2, dtype=torch.long))
+    loss.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward of one fp32 loss"):
+        loss.sum().backward()

@@ -6,9 +6,11 @@ the local shard, with no communication.
 
 The [tokens, V/tp] work is done in fp32 whatever the logits' dtype, a block of rows at a
 time (on CPU small enough to stay in cache, on GPUs big enough that kernel launches do not
-count): forward keeps only per-token statistics (max, exp-sum) and the logits themselves for
-backward, which recomputes the softmax block by block and writes the grad in the logits'
-dtype. No full-size fp32 temporary is ever allocated, on any device.
+count). fp32 logits: forward keeps exp(logits - max) (the logits' size, in place of the
+logits) and per-token statistics (max, exp-sum); backward turns it into the grad in place,
+block by block (as Megatron does; no second exp). bf16 / fp16 logits: forward keeps the
+logits themselves and backward recomputes the softmax block by block, writing the grad in
+the logits' dtype, so no full-size fp32 tensor is ever allocated.
 """
 import torch
 
@@ -25,6 +27,20 @@ def _blocks(logits: torch.Tensor) -> range:
     """Start rows of the blocks of logits [tokens, V/tp]."""
     elements = _CPU_BLOCK_ELEMENTS if logits.device.type == "cpu" else _GPU_BLOCK_ELEMENTS
     return range(0, logits.shape[0], max(elements // max(1, logits.shape[1]), 1))
+
+
+_host_work: dict[torch.device, torch.Tensor] = {}
+
+
+def _work(rows: int, columns: int, device: torch.device) -> torch.Tensor:
+    """An fp32 work block [rows, columns]. On the host one buffer per device, reused across
+    calls (grown to the largest asked): a fresh one is fresh pages, whose faults cost more
+    than the arithmetic; on GPUs a new tensor (the caching allocator reuses its memory)."""
+    if device.type != "cpu":
+        return torch.empty((rows, columns), dtype=torch.float32, device=device)
+    if device not in _host_work or _host_work[device].numel() < rows * columns:
+        _host_work[device] = torch.empty(rows * columns, dtype=torch.float32, device=device)
+    return _host_work[device][:rows * columns].view(rows, columns)
 
 
 def _shifted(logits: torch.Tensor, logits_max: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -53,34 +69,45 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         sum_exp = torch.empty_like(logits_max)
         blocks = _blocks(flat)
-        work = torch.empty((min(blocks.step, flat.shape[0]), part), dtype=torch.float32,
-                           device=flat.device)
+        ctx.kept_exps = flat.dtype == torch.float32
+        exps = torch.empty_like(flat) if ctx.kept_exps else None
+        work = None if ctx.kept_exps else _work(min(blocks.step, flat.shape[0]), part,
+                                                flat.device)
         for i in blocks:
             rows = slice(i, i + blocks.step)
-            block = _shifted(flat[rows], logits_max[rows], work[:len(sum_exp[rows])])
+            out = exps[rows] if ctx.kept_exps else work[:len(sum_exp[rows])]
+            block = _shifted(flat[rows], logits_max[rows], out)
             torch.sum(block.exp_(), dim=-1, out=sum_exp[rows])
         comm.all_reduce(sum_exp, group)
         loss = torch.log(sum_exp) - predicted
 
-        ctx.save_for_backward(flat, logits_max, sum_exp, outside, local_target)
+        ctx.save_for_backward(exps if ctx.kept_exps else flat, logits_max, sum_exp, outside,
+                              local_target)
         ctx.shape = shape
         return loss.view(shape[:-1])
 
     @staticmethod
     def backward(ctx, grad_loss):
-        flat, logits_max, sum_exp, outside, local_target = ctx.saved_tensors
+        if ctx.kept_exps and getattr(ctx, "consumed", False):
+            raise RuntimeError("vocab_parallel_cross_entropy: a second backward of one fp32 "
+                               "loss (retain_graph) is not supported: the first turned the "
+                               "kept softmax into the grad in place")
+        ctx.consumed = True
+        saved, logits_max, sum_exp, outside, local_target = ctx.saved_tensors
         grad_loss = grad_loss.reshape(-1).float()
         inside = (~outside).float().unsqueeze(-1)
-        grad = torch.empty_like(flat)
-        blocks = _blocks(flat)
-        work = None if flat.dtype == torch.float32 else torch.empty(
-            (min(blocks.step, flat.shape[0]), flat.shape[1]), dtype=torch.float32,
-            device=flat.device)
+        grad = saved if ctx.kept_exps else torch.empty_like(saved)  # fp32: exps become it
+        blocks = _blocks(saved)
+        work = None if ctx.kept_exps else _work(min(blocks.step, saved.shape[0]),
+                                                saved.shape[1], saved.device)
         for i in blocks:
             rows = slice(i, i + blocks.step)
-            out = grad[rows] if work is None else work[:len(sum_exp[rows])]
-            block = _shifted(flat[rows], logits_max[rows], out)
-            block.exp_().div_(sum_exp[rows].unsqueeze(-1))  # softmax
+            if ctx.kept_exps:
+                block = grad[rows]
+            else:
+                out = work[:len(sum_exp[rows])]
+                block = _shifted(saved[rows], logits_max[rows], out).exp_()
+            block.div_(sum_exp[rows].unsqueeze(-1))  # softmax
             block.scatter_add_(-1, local_target[rows].unsqueeze(-1), -inside[rows])
             block.mul_(grad_loss[rows].unsqueeze(-1))
             if work is not None:
