@@ -141,7 +141,7 @@ def test_a_failed_build_falls_back_to_the_torch_ops_with_one_warning(tmp_path, m
     monkeypatch.setenv("MEGALITE_CACHE", str(tmp_path))
     native_signs.kernels.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="building signs.c with false failed"):
+        with pytest.warns(UserWarning, match="building signs.c with false into .* failed"):
             assert native_signs.kernels() is None
         assert Pieces(ROWS, per_row=4, device=torch.device("cpu")).native is None
     finally:

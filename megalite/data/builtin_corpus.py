@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megalite.cache import cache_root
 from megalite.data.builtin_extract import builtin_documents
 from megalite.data.preprocess import output_prefix_for, preprocess_documents
 from megalite.data.tokenizer_training import train_sentencepiece
@@ -42,8 +43,7 @@ class BuiltinCorpus:
 
 def default_cache_dir() -> str:
     """`$MEGALITE_CACHE/builtin`, or `~/.cache/megalite/builtin`."""
-    root = os.environ.get("MEGALITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megalite")
-    return os.path.join(root, "builtin")
+    return os.path.join(cache_root(), "builtin")
 
 
 def _log(message: str) -> None:

@@ -3,7 +3,7 @@ machine with the C compiler (`cc`, or $CC) and loaded with ctypes.
 
 Each stage of a call is one pass over memory in C where the torch ops take two to four (add
 then norms; compare, pack, look up, subtract), on fp32 CPU tensors; CUDA tensors keep the
-torch ops. The library is cached under $MEGALITE_CACHE (default ~/.cache/megalite), named by
+torch ops. The library is cached in megalite's cache directory (megalite.cache), named by
 the hash of the source, the flags and this CPU's model and flags (it is built for this CPU,
 -march=native); ranks that build it at once each write their own file and rename it into
 place. Without a compiler, or if the build fails, `kernels()` is None after one warning line
@@ -20,6 +20,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from megalite.cache import cache_root
 
 SOURCE = Path(__file__).with_name("signs.c")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
@@ -45,30 +47,39 @@ def kernels() -> ctypes.CDLL | None:
     """signs.c's functions for this machine, built on first use; None where no C compiler
     builds them (one warning)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(),
                                      _cpu_identity().encode(), str(compiler).encode()]))
-    cache = Path(os.environ.get("MEGALITE_CACHE", Path.home() / ".cache" / "megalite"))
-    library = cache / f"signs-{key.hexdigest()[:16]}.so"
+    library = Path(cache_root()) / f"signs-{key.hexdigest()[:16]}.so"
     if not library.exists():
-        if compiler is None:
-            warnings.warn("megalite: no C compiler (cc) for the compressed all-reduce's host "
-                          "kernels; using torch ops (2-3x slower on CPU)")
+        failure = _build(compiler, library)
+        if failure:
+            warnings.warn(f"megalite: {failure}; the compressed all-reduce uses torch ops on "
+                          f"the host (2-3x slower)")
             return None
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = library.with_suffix(f".{os.getpid()}.tmp")
-        built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)],
-                               capture_output=True, text=True)
-        if built.returncode != 0:
-            partial.unlink(missing_ok=True)
-            warnings.warn(f"megalite: building {SOURCE.name} with {compiler} failed "
-                          f"({built.stderr.strip()[:200]}); using torch ops")
-            return None
-        os.replace(partial, library)
     lib = ctypes.CDLL(str(library))
     for name, argtypes in SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
     return lib
+
+
+def _build(compiler: str | None, library: Path) -> str | None:
+    """Compile SOURCE into `library` (through a file of this process's own, renamed into
+    place: ranks building at once never load a half-written one); why not, or None."""
+    if compiler is None:
+        return f"no C compiler (cc) to build {SOURCE.name}"
+    partial = library.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)],
+                               capture_output=True, text=True)
+        if built.returncode == 0:
+            os.replace(partial, library)
+            return None
+        error = built.stderr.strip()[:200]
+    except OSError as os_error:
+        error = str(os_error)
+    partial.unlink(missing_ok=True)
+    return f"building {SOURCE.name} with {compiler} into {library.parent} failed ({error})"
 
 
 def _check(**tensors: tuple[torch.Tensor | None, torch.dtype]) -> None:
