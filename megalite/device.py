@@ -1,6 +1,7 @@
 """The one place that picks the device and the distributed backend.
 
-CUDA + NCCL when a GPU is visible, else CPU + gloo. Everything else asks here.
+CUDA + NCCL when a GPU is visible, else CPU + gloo. Everything else asks here, as it asks
+`cache_root()` for this machine's cache directory.
 """
 import contextlib
 import datetime
@@ -17,6 +18,13 @@ import torch
 import torch.distributed as dist
 
 _timeout: datetime.timedelta | None = None
+
+
+def cache_root() -> str:
+    """This machine's megalite cache (the built-in corpus, the compiled host kernels of the
+    compressed all-reduce): `$MEGALITE_CACHE` if set, else `~/.cache/megalite`."""
+    return os.environ.get("MEGALITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                            "megalite")
 
 
 def process_group_timeout() -> datetime.timedelta | None:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megalite.cache import cache_root
+from megalite.device import cache_root
 from megalite.data.builtin_extract import builtin_documents
 from megalite.data.preprocess import output_prefix_for, preprocess_documents
 from megalite.data.tokenizer_training import train_sentencepiece

@@ -3,11 +3,11 @@ machine with the C compiler (`cc`, or $CC) and loaded with ctypes.
 
 Each stage of a call is one pass over memory in C where the torch ops take two to four (add
 then norms; compare, pack, look up, subtract), on fp32 CPU tensors; CUDA tensors keep the
-torch ops. The library is cached in megalite's cache directory (megalite.cache), named by
-the hash of the source, the flags and this CPU's model and flags (it is built for this CPU,
--march=native); ranks that build it at once each write their own file and rename it into
-place. Without a compiler, or if the build fails, `kernels()` is None after one warning line
-and compressed.Pieces uses the torch ops.
+torch ops. The library is cached in this machine's megalite cache (`device.cache_root`),
+named by the hash of the source, the flags and this CPU's model and flags (it is built for
+this CPU, -march=native); ranks that build it at once each write their own file and rename
+it into place. Without a compiler, or if the build fails, `kernels()` is None after one
+warning line and compressed.Pieces uses the torch ops.
 """
 import ctypes
 import functools
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from megalite.cache import cache_root
+from megalite.device import cache_root
 
 SOURCE = Path(__file__).with_name("signs.c")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
