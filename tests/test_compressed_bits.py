@@ -71,7 +71,7 @@ def test_decompress_and_compress_match_the_elementwise_reference(native, table_m
     monkeypatch.setattr(compressed, "TABLE_MIN_LENGTH", table_min_length)
     monkeypatch.setattr(compressed, "MANY_PIECES", many_pieces)
     pieces = Pieces(ROWS, per_row=4, device=torch.device("cpu"), native=native)
-    assert (pieces.native is not None) == native
+    assert (pieces.kernels is not None) == native
     assert native or pieces.piece_tables == (table_min_length == 1)
     width, count = sum(ROWS[0]), sum(len(row) for row in ROWS)
     x = values(len(ROWS) * width, seed=1)
@@ -130,9 +130,12 @@ def test_native_kernels_equal_the_torch_ops_on_long_pieces():
         assert torch.equal(got, ops.decompress(payload_ops, out))
     torch.testing.assert_close(native.decompress_mean(payload_ops).clone(),  # both: scratch
                                ops.decompress_mean(payload_ops), rtol=1e-6, atol=0)
-    native_signs.compress(native.native, x_again, native.lengths, ops.scales_of(payload_ops),
+    native_signs.compress(native.kernels, x_again, native.lengths, ops.scales_of(payload_ops),
                           payload)
     assert torch.equal(x_again, x_ops)
+    with pytest.raises(ValueError, match="do not match in size"):  # never a wild pointer
+        native_signs.compress(native.kernels, x_again[:, 8:].contiguous(), native.lengths,
+                              ops.scales_of(payload_ops), payload)
     assert torch.equal(payload[:, :sign_bytes], payload_ops[:, :sign_bytes])
 
 
@@ -143,7 +146,7 @@ def test_a_failed_build_falls_back_to_the_torch_ops_with_one_warning(tmp_path, m
     try:
         with pytest.warns(UserWarning, match="building signs.c with false into .* failed"):
             assert native_signs.kernels() is None
-        assert Pieces(ROWS, per_row=4, device=torch.device("cpu")).native is None
+        assert Pieces(ROWS, per_row=4, device=torch.device("cpu")).kernels is None
     finally:
         native_signs.kernels.cache_clear()
     assert list(tmp_path.iterdir()) == []  # nothing half-built left behind

@@ -131,7 +131,7 @@ class Pieces:
     def __init__(self, rows: list[list[int]], per_row: int, device: torch.device,
                  native: bool = True) -> None:
         self.rows, self.per_row, self.width = len(rows), per_row, sum(rows[0])
-        self.native = native_signs.kernels() if native and device.type == "cpu" else None
+        self.kernels = native_signs.kernels() if native and device.type == "cpu" else None
         self.sign_bytes = self.width // BITS
         self.sizes = [n for row in rows for n in row]
         self.lengths = torch.tensor(self.sizes, device=device)
@@ -155,7 +155,7 @@ class Pieces:
         -> payload [r, c / 8 + 4 P] uint8 (packed signs, then each piece's fp32 scale
         ||piece|| / sqrt(its length)); x becomes what the 1-bit approximation sign(x) scale
         lost."""
-        if added is not None and (self.native is None or added.dtype != torch.float32
+        if added is not None and (self.kernels is None or added.dtype != torch.float32
                                   or not added.is_contiguous()):
             x.view(-1)[:added.numel()] += added
             added = None
@@ -165,8 +165,8 @@ class Pieces:
         payload = torch.empty(self.rows, self.sign_bytes + SCALE_BYTES * self.per_row,
                               dtype=torch.uint8, device=x.device)
         payload[:, self.sign_bytes:] = table.view(self.rows, -1).view(torch.uint8)
-        if self.native:
-            native_signs.compress(self.native, x, self.lengths, scales, payload)
+        if self.kernels:
+            native_signs.compress(self.kernels, x, self.lengths, scales, payload)
             return payload
         bits = scratch(x.numel(), torch.bool, x.device)
         torch.ge(x.view(-1), 0, out=bits)
@@ -177,8 +177,8 @@ class Pieces:
     def _add_and_scale_(self, x: torch.Tensor, added: torch.Tensor | None) -> torch.Tensor:
         """Each piece's ||piece|| / sqrt(its length) [pieces] fp32, of rows x [r, c] after
         `added` (native only, else None) is added into their start."""
-        if self.native:
-            sums = native_signs.add_sumsq(self.native, x, added, self.lengths)
+        if self.kernels:
+            sums = native_signs.add_sumsq(self.kernels, x, added, self.lengths)
             return sums.sqrt().div_(self.lengths.double().sqrt()).float()
         if len(self.sizes) <= MANY_PIECES:
             norms = torch.stack(torch._foreach_norm(x.view(-1).split(self.sizes)))
@@ -199,8 +199,8 @@ class Pieces:
         if out is None:
             out = scratch(self.rows * self.width, torch.float32, payload.device)
         scales = self.scales_of(payload)
-        if self.native:
-            native_signs.decompress(self.native, payload, self.width, self.lengths, scales, out)
+        if self.kernels:
+            native_signs.decompress(self.kernels, payload, self.width, self.lengths, scales, out)
             return out
         index = scratch(self.rows * self.sign_bytes, torch.int32, payload.device)
         index.view(self.rows, -1).copy_(payload[:, :self.sign_bytes])
@@ -223,10 +223,10 @@ class Pieces:
     def decompress_mean(self, payload: torch.Tensor) -> torch.Tensor:
         """Payload rows [r, c / 8 + 4 P] uint8 -> the mean of their values over the rows,
         [c] fp32 (in the fp32 `scratch`, valid until its next use)."""
-        if not self.native:
+        if not self.kernels:
             return self.decompress(payload).view(self.rows, -1).mean(0)
         out = scratch(self.width, torch.float32, payload.device).zero_()
-        native_signs.decompress(self.native, payload, self.width, self.lengths,
+        native_signs.decompress(self.kernels, payload, self.width, self.lengths,
                                 self.scales_of(payload) / self.rows, out, fold=True)
         return out
 

@@ -82,22 +82,26 @@ def _build(compiler: str | None, library: Path) -> str | None:
     return f"building {SOURCE.name} with {compiler} into {library.parent} failed ({error})"
 
 
-def _check(**tensors: tuple[torch.Tensor | None, torch.dtype]) -> None:
-    """The C side trusts its pointers: each tensor on the host, contiguous, of its dtype."""
+def _check(sizes_agree: bool, **tensors: tuple[torch.Tensor | None, torch.dtype]) -> None:
+    """The C side trusts its pointers: each tensor on the host, contiguous, of its dtype, and
+    the sizes as the caller's docstring says (`sizes_agree`)."""
     for name, (tensor, dtype) in tensors.items():
         if tensor is not None and (tensor.device.type != "cpu" or tensor.dtype != dtype
                                    or not tensor.is_contiguous()):
             raise ValueError(f"native_signs: {name} must be a contiguous {dtype} host tensor, "
                              f"got {tensor.dtype} on {tensor.device}")
+    if not sizes_agree:
+        raise ValueError("native_signs: the pieces, rows and buffers do not match in size")
 
 
 def add_sumsq(lib: ctypes.CDLL, x: torch.Tensor, added: torch.Tensor | None,
               lengths: torch.Tensor) -> torch.Tensor:
     """x [m] (fp32, contiguous) += added [<= m] at its start; returns the fp64 sum of squares
     of x's pieces of `lengths` (int64) [pieces]."""
-    _check(x=(x, torch.float32), added=(added, torch.float32), lengths=(lengths, torch.int64))
-    sums = torch.empty(len(lengths), dtype=torch.float64)
     count = 0 if added is None else added.numel()
+    _check(int(lengths.sum()) == x.numel() >= count, x=(x, torch.float32),
+           added=(added, torch.float32), lengths=(lengths, torch.int64))
+    sums = torch.empty(len(lengths), dtype=torch.float64)
     lib.add_sumsq(x.data_ptr(), None if added is None else added.data_ptr(), count,
                   lengths.data_ptr(), len(lengths), sums.data_ptr())
     return sums
@@ -107,8 +111,11 @@ def compress(lib: ctypes.CDLL, x: torch.Tensor, lengths: torch.Tensor, scales: t
              payload: torch.Tensor) -> None:
     """Rows x [r, c] (fp32, contiguous): their packed signs into payload [r, >= c / 8]
     (uint8, contiguous) and x -= sign(x) * its piece's scale (`scales` fp32 [pieces])."""
-    _check(x=(x, torch.float32), lengths=(lengths, torch.int64), scales=(scales, torch.float32),
-           payload=(payload, torch.uint8))
+    _check(int(lengths.sum()) == x.numel() and len(scales) == len(lengths)
+           and payload.shape[0] * x.shape[-1] == x.numel()
+           and payload.shape[-1] >= x.shape[-1] // 8,
+           x=(x, torch.float32), lengths=(lengths, torch.int64),
+           scales=(scales, torch.float32), payload=(payload, torch.uint8))
     lib.compress(x.data_ptr(), x.shape[-1], lengths.data_ptr(), len(lengths), scales.data_ptr(),
                  payload.data_ptr(), payload.shape[-1])
 
@@ -118,8 +125,10 @@ def decompress(lib: ctypes.CDLL, payload: torch.Tensor, width: int, lengths: tor
     """Rows of `width` elements from payload [r, >= width / 8]: the first out.numel() values
     sign * scale into out (fp32, contiguous); with `fold`, every row's values added into out
     [width] instead."""
-    _check(payload=(payload, torch.uint8), lengths=(lengths, torch.int64),
-           scales=(scales, torch.float32), out=(out, torch.float32))
     count = payload.shape[0] * width if fold else out.numel()
+    _check(int(lengths.sum()) == payload.shape[0] * width >= count and len(scales) == len(lengths)
+           and payload.shape[-1] >= width // 8 and out.numel() >= (width if fold else count),
+           payload=(payload, torch.uint8), lengths=(lengths, torch.int64),
+           scales=(scales, torch.float32), out=(out, torch.float32))
     lib.decompress(payload.data_ptr(), payload.shape[-1], width, lengths.data_ptr(),
                    len(lengths), scales.data_ptr(), out.data_ptr(), count, int(fold))
