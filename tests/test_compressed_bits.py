@@ -73,18 +73,41 @@ def test_decompress_and_compress_match_the_elementwise_reference(native, table_m
     pieces = Pieces(ROWS, per_row=4, device=torch.device("cpu"), native=native)
     assert (pieces.kernels is not None) == native
     assert native or pieces.piece_tables == (table_min_length == 1)
-    width, count = sum(ROWS[0]), sum(len(row) for row in ROWS)
-    x = values(len(ROWS) * width, seed=1)
+    x = values(len(ROWS) * sum(ROWS[0]), seed=1)
     x[5:25] = 0.0  # a piece of zeros: scale 0, sent as +-0.0
     x[6] = -0.0
-    rows = x.clone().view(len(ROWS), width)
-    payload = pieces.compress_(rows)
+    assert_matches_the_reference(pieces, ROWS, x)
 
-    sizes = [n for row in ROWS for n in row]
+
+def test_native_kernels_on_long_pieces_match_the_elementwise_reference():
+    """Pieces of 256 whole bytes and more (signs.c's byte -> values tables), cut inside
+    bytes; and sizes that do not match are one ValueError, never a wild pointer."""
+    if native_signs.kernels() is None:
+        assert not shutil.which("cc"), "a C compiler is here but signs.c did not build"
+        pytest.skip("no C compiler: the native kernels are not built")
+    rows = [[4101, 3, 4200], [8304]]
+    pieces = Pieces(rows, per_row=3, device=torch.device("cpu"))
+    x = values(2 * 8304, seed=2).clamp(-1e3, 1e3)  # finite: every piece's norm is checked
+    assert_matches_the_reference(pieces, rows, x)
+    payload = pieces.compress_(x.clone().view(2, -1))
+    with pytest.raises(ValueError, match="do not match in size"):
+        native_signs.compress(pieces.kernels, x[8:].view(2, -1).contiguous(), pieces.lengths,
+                              pieces.scales_of(payload), payload)
+
+
+def assert_matches_the_reference(pieces: Pieces, rows: list[list[int]], x: torch.Tensor) -> None:
+    """Compress rows of x (flat) with `pieces`, then decompress: signs, scales, errors, values
+    (into the scratch and into shorter outs) and the rows' mean against the element-wise
+    reference."""
+    width, count = sum(rows[0]), sum(len(row) for row in rows)
+    compressed_rows = x.clone().view(len(rows), width)
+    payload = pieces.compress_(compressed_rows)
+
+    sizes = [n for row in rows for n in row]
     sign_bytes = width // BITS
-    assert torch.equal(payload[:, :sign_bytes], reference_pack(x.view(len(ROWS), width)))
+    assert torch.equal(payload[:, :sign_bytes], reference_pack(x.view(len(rows), width)))
     sent = payload[:, sign_bytes:].contiguous().view(torch.float32)
-    sent = [v for r, row in enumerate(ROWS) for v in sent[r, :len(row)].tolist()]
+    sent = [v for r, row in enumerate(rows) for v in sent[r, :len(row)].tolist()]
     checked = [(got, piece) for got, piece in zip(sent, x.split(sizes))
                if piece.abs().max() < 1e10]  # the fp32 sum of squares does not overflow
     assert len(checked) >= 3
@@ -93,50 +116,19 @@ def test_decompress_and_compress_match_the_elementwise_reference(native, table_m
         assert abs(got - ref) <= 1e-6 * ref, (got, ref)
 
     # decompressing the payload: +-its own scales, bit for bit; then x - that is the error
-    want = torch.where(x >= 0, 1.0, -1.0) * element_scales(ROWS, sent)
+    want = torch.where(x >= 0, 1.0, -1.0) * element_scales(rows, sent)
     assert len(sent) == count
     got = pieces.decompress(payload)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert torch.equal(rows.view(-1).view(torch.int32), (x - want).view(torch.int32))
+    assert torch.equal(compressed_rows.view(-1).view(torch.int32), (x - want).view(torch.int32))
     for numel in (len(want) - 3, 8 * 9 + 5):  # a shorter out: whole bytes and a tail
         out = torch.full((numel,), 7.0)
         pieces.decompress(payload, out)
         assert torch.equal(out.view(torch.int32), want[:numel].view(torch.int32))
     # the server's mean over the rows (its sum's rounding order is the path's own)
     torch.testing.assert_close(pieces.decompress_mean(payload),
-                               want.view(len(ROWS), width).mean(0), rtol=1e-6, atol=0,
+                               want.view(len(rows), width).mean(0), rtol=1e-6, atol=0,
                                equal_nan=True)
-
-
-def test_native_kernels_equal_the_torch_ops_on_long_pieces():
-    """Pieces of 256 whole bytes and more (signs.c's byte -> values tables), cut inside bytes:
-    the same payload decompresses bit for bit alike; compressing the same rows gives the same
-    signs and, for the same scales, the same errors."""
-    if native_signs.kernels() is None:
-        assert not shutil.which("cc"), "a C compiler is here but signs.c did not build"
-        pytest.skip("no C compiler: the native kernels are not built")
-    rows = [[4101, 3, 4200], [8304]]
-    native, ops = (Pieces(rows, per_row=3, device=torch.device("cpu"), native=flag)
-                   for flag in (True, False))
-    x = values(2 * 8304, seed=2).clamp(-1e3, 1e3).view(2, -1)
-    x_ops, x_again = x.clone(), x.clone()
-    payload, payload_ops = native.compress_(x), ops.compress_(x_ops)
-    sign_bytes = 8304 // BITS
-    assert torch.equal(payload[:, :sign_bytes], payload_ops[:, :sign_bytes])
-    torch.testing.assert_close(native.scales_of(payload), ops.scales_of(payload_ops),
-                               rtol=1e-6, atol=0)
-    for out in (None, torch.empty(2 * 8304 - 5)):
-        got = native.decompress(payload_ops, out).clone()
-        assert torch.equal(got, ops.decompress(payload_ops, out))
-    torch.testing.assert_close(native.decompress_mean(payload_ops).clone(),  # both: scratch
-                               ops.decompress_mean(payload_ops), rtol=1e-6, atol=0)
-    native_signs.compress(native.kernels, x_again, native.lengths, ops.scales_of(payload_ops),
-                          payload)
-    assert torch.equal(x_again, x_ops)
-    with pytest.raises(ValueError, match="do not match in size"):  # never a wild pointer
-        native_signs.compress(native.kernels, x_again[:, 8:].contiguous(), native.lengths,
-                              ops.scales_of(payload_ops), payload)
-    assert torch.equal(payload[:, :sign_bytes], payload_ops[:, :sign_bytes])
 
 
 def test_a_failed_build_falls_back_to_the_torch_ops_with_one_warning(tmp_path, monkeypatch):

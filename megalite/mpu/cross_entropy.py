@@ -29,20 +29,6 @@ def _blocks(logits: torch.Tensor) -> range:
     return range(0, logits.shape[0], max(elements // max(1, logits.shape[1]), 1))
 
 
-_host_work: dict[torch.device, torch.Tensor] = {}
-
-
-def _work(rows: int, columns: int, device: torch.device) -> torch.Tensor:
-    """An fp32 work block [rows, columns]. On the host one buffer per device, reused across
-    calls (grown to the largest asked): a fresh one is fresh pages, whose faults cost more
-    than the arithmetic; on GPUs a new tensor (the caching allocator reuses its memory)."""
-    if device.type != "cpu":
-        return torch.empty((rows, columns), dtype=torch.float32, device=device)
-    if device not in _host_work or _host_work[device].numel() < rows * columns:
-        _host_work[device] = torch.empty(rows * columns, dtype=torch.float32, device=device)
-    return _host_work[device][:rows * columns].view(rows, columns)
-
-
 def _shifted(logits: torch.Tensor, logits_max: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = logits - max in fp32 (out: an fp32 block of the same shape)."""
     if logits.dtype == torch.float32:
@@ -71,8 +57,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         blocks = _blocks(flat)
         ctx.kept_exps = flat.dtype == torch.float32
         exps = torch.empty_like(flat) if ctx.kept_exps else None
-        work = None if ctx.kept_exps else _work(min(blocks.step, flat.shape[0]), part,
-                                                flat.device)
+        work = None if ctx.kept_exps else torch.empty(
+            (min(blocks.step, flat.shape[0]), part), dtype=torch.float32, device=flat.device)
         for i in blocks:
             rows = slice(i, i + blocks.step)
             out = exps[rows] if ctx.kept_exps else work[:len(sum_exp[rows])]
@@ -98,8 +84,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         inside = (~outside).float().unsqueeze(-1)
         grad = saved if ctx.kept_exps else torch.empty_like(saved)  # fp32: exps become it
         blocks = _blocks(saved)
-        work = None if ctx.kept_exps else _work(min(blocks.step, saved.shape[0]),
-                                                saved.shape[1], saved.device)
+        work = None if ctx.kept_exps else torch.empty(
+            (min(blocks.step, saved.shape[0]), saved.shape[1]), dtype=torch.float32,
+            device=saved.device)
         for i in blocks:
             rows = slice(i, i + blocks.step)
             if ctx.kept_exps:
