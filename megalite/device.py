@@ -21,8 +21,8 @@ _timeout: datetime.timedelta | None = None
 
 
 def cache_root() -> str:
-    """This machine's megalite cache (the built-in corpus, the compiled host kernels of the
-    compressed all-reduce): `$MEGALITE_CACHE` if set, else `~/.cache/megalite`."""
+    """This machine's megalite cache (the built-in corpus, the compiled host kernels of
+    megalite.native): `$MEGALITE_CACHE` if set, else `~/.cache/megalite`."""
     return os.environ.get("MEGALITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
                                                             "megalite")
 
