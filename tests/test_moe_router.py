@@ -12,7 +12,8 @@ from torch import nn
 
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.device import current_device
-from megalite.moe import MoELayer, MoEState, load_balancing_loss, topk_routing, z_loss
+from megalite.moe import (MoELayer, MoEState, load_balancing_loss, native_routing, topk_routing,
+                          z_loss)
 from megalite.moe.router import tokens_per_expert
 from tests.helpers import moe_reference as ref
 from tests.helpers.multirank import run_on_ranks
@@ -31,6 +32,28 @@ def test_topk_choice_and_weights_match_reference(score, renorm, device):
     assert indices[3].tolist() == [1, 2] and indices[4].tolist() == [0, 1]
     want = torch.stack([torch.stack([w for _, w in row]) for row in choices])
     assert rel_err(weights, want) < 1e-6 and rel_err(scores, ref_scores) < 1e-6
+
+
+@pytest.mark.parametrize("host_kernel", [True, False])
+def test_group_limited_choice_matches_reference(host_kernel, monkeypatch):
+    """DeepSeek-V3's group-limited choice from biased sigmoid scores, with tied, all-equal, NaN
+    and -inf rows, equals the per-token reference: by the host kernel (routing.c) and by the
+    torch ops a machine without a C compiler runs."""
+    if host_kernel and native_routing.kernels() is None:
+        pytest.skip("no C compiler: the host kernel is not built")
+    if not host_kernel:
+        monkeypatch.setattr(native_routing, "kernels", lambda: None)
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(40, 16, generator=gen)
+    logits[1], logits[2] = logits[1].round(), 0.0  # ties, all equal
+    logits[3, 5], logits[4, :6] = float("nan"), float("-inf")
+    for bias in (None, torch.randn(16, generator=gen) * 0.1):
+        _, indices, scores = topk_routing(logits, 3, "sigmoid", True, bias, 4, 2)
+        choice = scores if bias is None else scores + bias
+        assert indices.tolist() == ref.group_limited_choice(choice, 3, 4, 2)
+    if host_kernel:
+        with pytest.raises(ValueError, match="native_routing: the tensors do not match"):
+            native_routing.route(native_routing.kernels(), scores, torch.zeros(15), 3, 4, 2)
 
 
 def test_aux_and_z_loss_match_reference_with_an_idle_expert(device):

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.moe import native_routing
 from megalite.mpu.layers import init_method_normal, set_tensor_model_parallel_attributes
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -24,22 +25,35 @@ def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax
     `num_groups`, only the experts of the `group_topk` groups with the best sums of their top-2
     choice scores compete. The weights are the chosen experts' scores (bias-free), divided by
     their sum when `renormalize` (Mixtral; softmax + renormalize equals a softmax over the
-    top-k logits), times `scaling_factor`.
+    top-k logits), times `scaling_factor`. On the host the choice runs in C (native_routing),
+    elsewhere as a stable sort.
     """
     logits = logits.float()
     scores = logits.softmax(-1) if score_function == "softmax" else logits.sigmoid()
     choice = scores.detach()  # selection only: no autograd graph
-    if expert_bias is not None:
-        choice = choice + expert_bias
-    if num_groups is not None:
-        choice = _keep_best_groups(choice, num_groups, group_topk)
-    order = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :topk]
+    lib = native_routing.kernels() if choice.device.type == "cpu" else None
+    if lib is not None:
+        bias = None if expert_bias is None else expert_bias.float()  # a bf16 model's buffer
+        order = native_routing.route(lib, choice.contiguous(), bias, topk, num_groups,
+                                     group_topk)
+    else:
+        order = _sorted_choice(choice, topk, expert_bias, num_groups, group_topk)
     weights = scores.gather(-1, order)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     if scaling_factor is not None:
         weights = weights * scaling_factor
     return weights, order, scores
+
+
+def _sorted_choice(choice: torch.Tensor, topk: int, expert_bias: torch.Tensor | None,
+                   num_groups: int | None, group_topk: int | None) -> torch.Tensor:
+    """topk_routing's choice [T, k] by torch ops: a stable sort of each token's scores."""
+    if expert_bias is not None:
+        choice = choice + expert_bias
+    if num_groups is not None:
+        choice = _keep_best_groups(choice, num_groups, group_topk)
+    return torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :topk]
 
 
 def _keep_best_groups(choice: torch.Tensor, num_groups: int, group_topk: int) -> torch.Tensor:

@@ -23,6 +23,26 @@ def route(logits: torch.Tensor, topk: int, score: str, renorm: bool):
     return choices, scores
 
 
+def group_limited_choice(choice: torch.Tensor, topk: int, num_groups: int, group_topk: int
+                         ) -> list[list[int]]:
+    """DeepSeek-V3's choice from biased scores [T, E] (fp32): per token the `topk` largest of
+    the experts in its `group_topk` best groups (group score: the fp32 sum of its two
+    largest), largest first; ties to the lower index (group), NaN above everything."""
+    def rank(values: list[float]) -> list[int]:  # indices, largest first, stable, NaN first
+        return sorted(range(len(values)), key=lambda i: (not math.isnan(values[i]),
+                      -values[i] if not math.isnan(values[i]) else 0.0))
+    chosen = []
+    for row in choice.tolist():
+        size = len(row) // num_groups
+        groups = [row[g * size:(g + 1) * size] for g in range(num_groups)]
+        group_scores = [float(torch.tensor([group[i] for i in rank(group)[:2]]).sum())
+                        for group in groups]
+        kept = set(rank(group_scores)[:group_topk])
+        masked = [v if e // size in kept else -math.inf for e, v in enumerate(row)]
+        chosen.append(rank(masked)[:topk])
+    return chosen
+
+
 def aux_loss(scores: torch.Tensor, choices: list, topk: int) -> torch.Tensor:
     """E * sum_e (choices to e / (T k)) * mean_t p_te, p = scores normalised per token."""
     tokens, experts = scores.shape
