@@ -108,13 +108,14 @@ def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int
     me = 0 if gather is None else torch.distributed.get_rank(gather)
     return DispatchPlan(
         token_index=torch.div(order, topk, rounding_mode="floor"),
-        weights=weights.reshape(-1)[order],
+        weights=weights.reshape(-1).index_select(0, order),
         send_splits=send_splits,
         recv_splits=[sum(row) for row in recv[me * ep:(me + 1) * ep]],
         regroup=None if sources == 1 or local == 1 else
         _regroup(all_counts, sources, local, sum(received)),
         tokens_per_local_expert=[sum(column) for column in zip(*recv)],
-        tokens_per_expert=kept, dropped=(counts - kept).sum(),
+        tokens_per_expert=kept,
+        dropped=counts.new_zeros(()) if capacity is None else (counts - kept).sum(),
         gather_splits=None if gather is None else
         [sum(sum(row) for row in recv[r * ep:(r + 1) * ep]) for r in range(gathered)])
 
@@ -166,5 +167,4 @@ def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int, group=None, ga
         ungrouped = ungrouped.view(len(plan.gather_splits), mine, y.shape[-1]).sum(0)
     returned = _exchange(ungrouped, plan.send_splits, plan.recv_splits, group)
     weighted = returned * plan.weights.to(returned.dtype).unsqueeze(-1)
-    out = weighted.new_zeros((num_tokens, y.shape[-1]))
-    return out.index_add(0, plan.token_index, weighted)
+    return weighted.new_zeros((num_tokens, y.shape[-1])).index_add_(0, plan.token_index, weighted)

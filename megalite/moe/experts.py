@@ -9,13 +9,16 @@ names as with looped experts, and a checkpoint of one form loads into the other
 (megalite.models.sharding). The matmul backend is chosen once at construction:
 `torch._grouped_mm` wherever it runs for the dtype and shapes (GPUs; on the CPU, torch 2.13
 runs it as one matmul per expert, with the operands the looped experts' linears use, so the
-results equal theirs bit for bit, with no padding: see docs/performance.md "DeepSeek-V3 MoE
-block"); elsewhere (e.g. rows whose stride is not a multiple of 16 bytes) one batched matmul
-over the rows padded to the busiest expert's count, or, when padding would more than double
-the rows, one matmul per expert. Weight grads are not deferred to zero-bubble W steps here
-(they are with looped experts).
+results and autograd's grads equal theirs bit for bit, with no padding: see
+docs/performance.md "DeepSeek-V3 MoE block"); elsewhere (e.g. rows whose stride is not a
+multiple of 16 bytes) one batched matmul over the rows padded to the busiest expert's count,
+or, when padding would more than double the rows, one matmul per expert. The grouped
+matmuls' backward is autograd's: it needs a grad with real strides, which MoELayer's combine
+gives (a product, never an expanded tensor). Weight grads are not deferred to zero-bubble W
+steps here (they are with looped experts).
 """
 import functools
+import itertools
 
 import torch
 from torch import nn
@@ -53,9 +56,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if self.use_grouped_mm:
-            offsets = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-            hidden = _GroupedLinear.apply(rows, self.weight1, offsets)
-            return _GroupedLinear.apply(self.activate(hidden), self.weight2, offsets)
+            offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32,
+                                   device=rows.device)
+            hidden = torch._grouped_mm(rows, self.weight1.transpose(1, 2), offs=offsets)
+            return torch._grouped_mm(self.activate(hidden), self.weight2.transpose(1, 2),
+                                     offs=offsets)
         busiest = max(counts)
         if busiest * len(counts) <= 2 * rows.shape[0]:
             return self._padded(rows, counts, busiest)
@@ -92,26 +97,6 @@ class _BatchedLinear(torch.autograd.Function):
         return torch.bmm(grad, weight), torch.bmm(grad.transpose(1, 2), x)
 
 
-class _GroupedLinear(torch.autograd.Function):
-    """x [M, in] (rows of expert e in offsets[e-1]:offsets[e]), weight [E, out, in] -> [M, out];
-    backward by grouped matmuls too (autograd's own formula does not run on CPU)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, offsets):
-        ctx.save_for_backward(x, weight, offsets)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        x, weight, offsets = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] \
-            else None
-        grad_weight = torch._grouped_mm(grad.t(), x, offs=offsets)
-        return grad_x, grad_weight, None
-
-
 @functools.cache
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype,
                     *shapes: tuple[int, int]) -> bool:
@@ -124,7 +109,8 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype,
             x = torch.zeros(3, inner, device=device, dtype=dtype, requires_grad=True)
             w = torch.zeros(2, out, inner, device=device, dtype=dtype, requires_grad=True)
             offsets = torch.tensor([0, 3], device=device, dtype=torch.int32)
-            _GroupedLinear.apply(x, w, offsets).sum().backward()
+            out = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+            out.backward(torch.ones_like(out))  # a dense grad, as MoELayer's combine gives
     except (RuntimeError, NotImplementedError):
         return False
     return True
