@@ -135,6 +135,36 @@ def test_moe_stats_under_sequence_split_equal_single_process(tmp_path):
     print("MoE stats single vs", *layout, single, parallel)
 
 
+def _train_counting_router_losses(argv: list[str]) -> tuple[list[dict[str, float]], int]:
+    """_train_logging_moe_stats, and how many times the MoE layers computed router losses."""
+    from megalite.moe.layer import MoELayer
+    calls, compute = [0], MoELayer._router_losses
+
+    def counting(self, *args):
+        calls[0] += 1
+        return compute(self, *args)
+    MoELayer._router_losses = counting
+    try:
+        return _train_logging_moe_stats(argv), calls[0]
+    finally:
+        MoELayer._router_losses = compute
+
+
+def test_logged_only_router_losses_are_computed_in_logged_steps_only(tmp_path):
+    """With the aux and z coefficients 0 the router losses are only logged: logging every
+    second of 3 steps, the layers compute them in steps 2 and 3 (the last) only, and those
+    lines carry what a run logging every step logs (the expert loads still count every step:
+    the bias update reads them)."""
+    prefix = make_dataset(str(tmp_path))
+    flags = [*MOE_FLAGS, "--moe-aux-loss-coeff", "0", "--moe-z-loss-coeff", "0"]
+    runs = [run_on_ranks(1, _train_counting_router_losses,
+                         tiny_args(prefix, f"{tmp_path}/{n}", 3, *flags, "--log-interval",
+                                   str(n)))[0] for n in (1, 2)]
+    (every, every_calls), (sparse, sparse_calls) = runs
+    assert len(every) == 3 and every_calls > 0 and sparse_calls * 3 == every_calls * 2
+    assert sparse == every[1:], (every, sparse)
+
+
 def _stats_of_two_sequence_shards() -> dict[str, float]:
     """TP2 under sequence parallelism: each rank routes half of the tokens of one microbatch
     through one layer of 2 experts; rank 0's 4 choices go 3 to expert 0 and 1 to expert 1,
@@ -143,8 +173,8 @@ def _stats_of_two_sequence_shards() -> dict[str, float]:
     rank = ps.get_tensor_model_parallel_rank()
     state = MoEState()
     on = device.current_device()
-    state.record(0, torch.tensor(1.0 + 0.2 * rank, device=on),
-                 torch.tensor(2.0 + 2 * rank, device=on), torch.tensor(1, device=on),
+    state.record(0, (torch.tensor(1.0 + 0.2 * rank, device=on),
+                     torch.tensor(2.0 + 2 * rank, device=on)), torch.tensor(1, device=on),
                  torch.tensor([3, 1] if rank == 0 else [1, 3], device=on))
     return reduce_step_stats([state], 1, 2, 1, device.current_device(),
                              ps.get_pipeline_model_parallel_group(),

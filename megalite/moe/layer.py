@@ -50,7 +50,8 @@ class MoELayer(nn.Module):
     the aux (load-balancing: over the microbatch, or per sequence with `load_balancing_type`
     "seq_aux_loss") and z losses, times their coefficients, get the gradient
     `moe_state.backward_scale` through `attach_aux_loss`; their values are recorded per layer
-    in `moe_state` (the model chunk's MoEState; the layer's own when not given).
+    in `moe_state` (the model chunk's MoEState; the layer's own when not given), those only
+    logged (coefficient 0) while `moe_state.log_router_losses`.
     `sequence_parallel`: x is this TP rank's [s/t, b, h] (see the module docstring).
     `grouped_gemm`: the local experts as one GroupedExperts (stacked weights) instead of one
     ParallelMLP each (same initial weights, same per-expert names in full state dicts).
@@ -155,9 +156,11 @@ class MoELayer(nn.Module):
             out = out + shared
         if torch.is_grad_enabled():  # training: router losses (not computed in inference)
             attached = bool(self.aux_loss_coeff or self.z_loss_coeff)
-            with torch.set_grad_enabled(attached):  # only logged: no autograd graph
-                aux, z = self._router_losses(scores, indices, logits, x.shape[1])
-            self.moe_state.record(self.layer_number, aux, z, plan.dropped,
+            losses = None
+            if attached or self.moe_state.log_router_losses:
+                with torch.set_grad_enabled(attached):  # only logged: no autograd graph
+                    losses = aux, z = self._router_losses(scores, indices, logits, x.shape[1])
+            self.moe_state.record(self.layer_number, losses, plan.dropped,
                                   plan.tokens_per_expert)
             if attached:
                 # summed over TP ranks with SP (their router grads are summed), so each adds

@@ -10,7 +10,9 @@ applies to the main loss (`training_step`); outside a step it is 1.0 (a plain ba
 the log line (`reduce_mtp_loss`). `MoEState.rows` collects, per global layer, the detached
 aux loss, z-loss, dropped choices and tokens per expert of every microbatch of the step;
 `reduce_step_stats` sums those of a rank's chunks over the pipeline, data-parallel (with CP)
-and, under sequence parallelism, TP groups for the log line.
+and, under sequence parallelism, TP groups for the log line. Router losses with coefficient 0
+are only logged: the layers compute them while `MoEState.log_router_losses` (the training
+loop clears it for the steps that print no line; their rows hold NaN there).
 """
 import contextlib
 from collections.abc import Iterator
@@ -28,10 +30,12 @@ class MoEState:
     backward_scale: the gradient every attached aux loss gets in backward.
     rows: per global layer, sums over this step's microbatches [3 + E] (STAT_NAMES, then the
     tokens each expert received).
+    log_router_losses: whether the layers compute router losses that are only logged.
     """
 
     def __init__(self) -> None:
         self.backward_scale = 1.0
+        self.log_router_losses = True
         self.rows: dict[int, torch.Tensor] = {}
         self.mtp_loss: torch.Tensor | None = None  # sum of this step's multi-token losses
 
@@ -40,10 +44,13 @@ class MoEState:
         loss = loss.detach().float()
         self.mtp_loss = loss if self.mtp_loss is None else self.mtp_loss + loss
 
-    def record(self, layer: int, aux: torch.Tensor, z: torch.Tensor, dropped: torch.Tensor,
-               tokens_per_expert: torch.Tensor) -> None:
-        """Add one microbatch's scalars aux, z, dropped and tokens_per_expert [E] (all on the
-        device: nothing is read by the host until `reduce_step_stats`)."""
+    def record(self, layer: int, losses: tuple[torch.Tensor, torch.Tensor] | None,
+               dropped: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+        """Add one microbatch's router losses (aux, z: scalars; None where they were not
+        computed: NaN), dropped choices and tokens_per_expert [E] (all on the device: nothing
+        is read by the host until `reduce_step_stats`)."""
+        nan = torch.full((), float("nan"), device=dropped.device)
+        aux, z = (nan, nan) if losses is None else losses
         row = torch.cat([torch.stack([aux.detach().float(), z.detach().float(), dropped.float()]),
                          tokens_per_expert.float()])
         self.rows[layer] = self.rows.get(layer, 0) + row

@@ -63,6 +63,17 @@ class TrainingLogger:
                                      {"world_size": dist.get_world_size()}) if writes \
             else ScalarWriters()
 
+    def logs(self, iteration: int) -> bool:
+        """Whether step `iteration` prints a line (every --log-interval steps, and the last)."""
+        t = self.configs.train
+        return iteration % t.log_interval == 0 or iteration == t.train_iters
+
+    def start_step(self, iteration: int) -> None:
+        """Before step `iteration`: the MoE layers compute the router losses that are only
+        logged (coefficient 0) in the steps that print them."""
+        for state in moe_states(self.model):
+            state.log_router_losses = self.logs(iteration)
+
     def step(self, iteration: int, loss: float, stepped: bool, grad_norm: float | None,
              lr: float, loss_scale: float, data_seconds: float = 0.0) -> None:
         """One step's figures; `data_seconds`: how long it waited for its batches."""
@@ -73,9 +84,9 @@ class TrainingLogger:
         self.steps += 1
         self.data_seconds += data_seconds
         self._count_flops(iteration)
-        t = self.configs.train
-        if iteration % t.log_interval and iteration != t.train_iters:
+        if not self.logs(iteration):
             return
+        t = self.configs.train
         elapsed = (time.time() - self.start) / self.steps
         moe_stats, drop_fields = self._moe_stats(), self._layer_drop_fields(iteration)
         sent = dp_bytes_sent(self.model)

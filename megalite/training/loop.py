@@ -317,6 +317,7 @@ def training_iteration(run: Run, batches: TimedIterator, guard: SkipGuard,
     layout, task, in_flight = run.layout, run.task, run.in_flight
     if layer_drop is not None:
         start_layer_drop(run.model, layer_drop, replica, run.iteration)
+    run.logger.start_step(run.iteration + 1)
     loss, stepped, grad_norm = train_step(
         inject_faults(task.forward_step, run.iteration + 1), batches, run.model,
         run.optimizer, layout, task.loss_key, signals, in_flight)
@@ -343,7 +344,6 @@ def _record(run: Run, loss: float, grad_norm: float | None, iteration: int, step
     """Step `iteration`'s loss and grad norm in the run, and its figures in the logger."""
     run.losses[iteration], run.grad_norms[iteration] = loss, grad_norm
     run.logger.step(iteration, loss, stepped, grad_norm, lr, loss_scale, data_seconds)
-
 
 
 def _train_loop(run: Run, train_batches: TimedIterator) -> None:
