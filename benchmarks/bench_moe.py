@@ -17,7 +17,10 @@ E h is the only difference). One step = zero grads, forward, loss, backward, Ada
 after warm-up; medians are reported. The routing and permutation share is measured apart:
 router (linear, scores, top-k, aux and z losses) and plan + dispatch + combine around an
 identity expert, forward and backward, on one layer's tokens, times the MoE layers, over
-megalite's step time. Prints figures; asserts only that the models agree at the start.
+megalite's step time. The DeepSeek-V3 block steps with torch's fused AdamW (each system's
+default), megalite's layer as in a training step between log lines (no logged-only router
+losses), and once more as in a logging step. Prints figures; asserts only that the models
+agree at the start.
 --cpu-time times the CPU time of the stepping thread instead of wall-clock time (with
 OMP_NUM_THREADS=1: on a shared, loaded machine, wall-clock steps mostly measure the load).
 """
@@ -111,9 +114,13 @@ def deepseek_block(args, device) -> None:
               group_topk=args.group_topk, topk_scaling_factor=2.5, expert_bias=True,
               shared_expert_size=ffn, device=device)
     ours = {}
-    for name, grouped in (("megalite grouped experts", True), ("megalite looped experts", False)):
+    for name, grouped, logging in (("megalite grouped experts", True, False),
+                                   ("megalite grouped experts, logging step", True, True),
+                                   ("megalite looped experts", False, False)):
         torch.manual_seed(0)
         ours[name] = MoELayer(h, experts, ffn, args.topk, grouped_gemm=grouped, **kw)
+        # a training step between log lines computes no logged-only router losses
+        ours[name].moe_state.log_router_losses = logging
     backend = "torch._grouped_mm" if ours["megalite grouped experts"].local_experts \
         .use_grouped_mm else "padded batched matmul or loop"
     state = deepseek_moe_block_state(full_state_dict(ours["megalite looped experts"]), experts)
@@ -134,8 +141,14 @@ def deepseek_block(args, device) -> None:
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
     def step_of(module, transpose: bool):
-        opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
-        inp, grad = (x.transpose(0, 1).contiguous(), g.transpose(0, 1)) if transpose else (x, g)
+        # the AdamW both use by default: megalite's build_adamw and transformers' Trainer
+        # (adamw_torch_fused) take torch's fused one where the device has it
+        try:
+            opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
+        except RuntimeError:
+            opt = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
+        inp, grad = (x.transpose(0, 1).contiguous(), g.transpose(0, 1).contiguous()) \
+            if transpose else (x, g)
 
         def step() -> tuple[float, float, torch.Tensor]:
             """(seconds of forward + backward, of the whole step, the output [s, b, h])."""
