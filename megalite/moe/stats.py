@@ -49,8 +49,8 @@ class MoEState:
         """Add one microbatch's router losses (aux, z: scalars; None where they were not
         computed: NaN), dropped choices and tokens_per_expert [E] (all on the device: nothing
         is read by the host until `reduce_step_stats`)."""
-        nan = torch.full((), float("nan"), device=dropped.device)
-        aux, z = (nan, nan) if losses is None else losses
+        aux, z = losses if losses is not None else \
+            2 * [torch.full((), float("nan"), device=dropped.device)]
         row = torch.cat([torch.stack([aux.detach().float(), z.detach().float(), dropped.float()]),
                          tokens_per_expert.float()])
         self.rows[layer] = self.rows.get(layer, 0) + row
