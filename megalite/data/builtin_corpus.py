@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megalite.device import cache_root
 from megalite.data.builtin_extract import builtin_documents
 from megalite.data.preprocess import output_prefix_for, preprocess_documents
 from megalite.data.tokenizer_training import train_sentencepiece
 from megalite.data.tokenizers import build_tokenizer, tokenizer_fingerprint
+from megalite.device import cache_root
 
 VOCAB_SIZE = 8000
 TRAINING_LINES = 200_000

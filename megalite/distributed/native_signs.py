@@ -12,14 +12,13 @@ from pathlib import Path
 
 import torch
 
-from megalite.native import check_host, load
+from megalite.native import INT64, POINTER, check_host, load
 
 SOURCE = Path(__file__).with_name("signs.c")
-_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {
-    "add_sumsq": [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER],
-    "compress": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT],
-    "decompress": [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, ctypes.c_int],
+    "add_sumsq": [POINTER, POINTER, INT64, POINTER, INT64, POINTER],
+    "compress": [POINTER, INT64, POINTER, INT64, POINTER, POINTER, INT64],
+    "decompress": [POINTER, INT64, INT64, POINTER, INT64, POINTER, POINTER, INT64, ctypes.c_int],
 }
 
 

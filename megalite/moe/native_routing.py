@@ -8,11 +8,10 @@ from pathlib import Path
 
 import torch
 
-from megalite.native import check_host, load
+from megalite.native import INT64, POINTER, check_host, load
 
 SOURCE = Path(__file__).with_name("routing.c")
-_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
-SIGNATURES = {"route": [_POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER]}
+SIGNATURES = {"route": [POINTER, POINTER, INT64, INT64, INT64, INT64, INT64, POINTER]}
 
 
 @functools.cache

@@ -2,6 +2,6 @@
 compressed all-reduce's sign packing (megalite/distributed/signs.c) and the MoE router's
 top-k choice (megalite/moe/routing.c). CUDA tensors keep the torch ops; so does a machine
 without a C compiler (one warning)."""
-from megalite.native.build import check_host, load
+from megalite.native.build import INT64, POINTER, check_host, load
 
-__all__ = ["check_host", "load"]
+__all__ = ["INT64", "POINTER", "check_host", "load"]

@@ -18,6 +18,7 @@ import torch
 from megalite.device import cache_root
 
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+POINTER, INT64 = ctypes.c_void_p, ctypes.c_int64  # the argument types of the kernels' C calls
 
 
 def _cpu_identity() -> str:
